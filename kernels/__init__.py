@@ -1,0 +1,1 @@
+"""sgl_fair.kernels: Triton bidirectional paged attention and its torch reference."""

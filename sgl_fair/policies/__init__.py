@@ -1,0 +1,1 @@
+"""Local scheduling policies, one per file, behind one Protocol and a registry."""

@@ -1,0 +1,128 @@
+"""The request: what a client asked for, and where it is in its life.
+
+A ``Request`` is created by a workload (or the HTTP front) and then mutated by
+exactly one scheduler. Fields above the marker are the request as submitted;
+fields below are the scheduler's bookkeeping.
+
+Lengths follow the papers' experiments: a request generates exactly
+``output_len`` tokens (EOS ignored); ``max_new_tokens`` is what the scheduler
+may assume when reserving memory (it never sees ``output_len`` except through an
+``oracle`` predictor, which is the point of that baseline).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+ClientId = str
+DEFAULT_CLIENT: ClientId = "default"
+
+
+class Phase(enum.Enum):
+    """Where a request is. RETRACTED requests are back in the waiting queue."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+class ServiceClass(str, enum.Enum):
+    """BROS service class: real-time (latency SLOs) or best-effort (throughput)."""
+
+    RT = "rt"
+    BE = "be"
+
+
+# Default SLOs from the BROS paper (per request overridable).
+DEFAULT_TTFT_SLO_S = 0.4
+DEFAULT_TPOT_SLO_S = 0.2
+
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One LLM call. Identity is object identity (``eq=False``); ``rid`` is for humans and wires."""
+
+    rid: str
+    client: ClientId
+    input_ids: tuple[int, ...]
+    output_len: int
+    arrival_s: float
+    max_new_tokens: int | None = None
+    # BROS
+    service_class: ServiceClass = ServiceClass.BE
+    ttft_slo_s: float = DEFAULT_TTFT_SLO_S
+    tpot_slo_s: float = DEFAULT_TPOT_SLO_S
+    # FairServe: a request may be one call of a multi-call interaction.
+    interaction_id: str | None = None
+    app: str | None = None
+    stage: int = 0
+
+    # ---- scheduler bookkeeping (below this line nothing is set by the submitter) ----
+    phase: Phase = Phase.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens of (input_ids + output_ids) whose KV is computed and held by this request,
+    # counting the matched prefix.
+    num_computed: int = 0
+    # Prefix matched in the worker's cache at the (latest) admission.
+    prefix_len: int = 0
+    # Prefix matched at the first admission; what cache-hit metrics count.
+    first_prefix_len: int | None = None
+    admit_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_retractions: int = 0
+    reject_reason: str | None = None
+    # Arrival tie-breaker: a process-wide sequence number, so orders are total and stable.
+    seq: int = field(default_factory=lambda: next(_seq))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.input_ids, tuple):
+            self.input_ids = tuple(self.input_ids)
+        if self.max_new_tokens is None:
+            self.max_new_tokens = self.output_len
+        if len(self.input_ids) < 1:
+            raise ValueError(f"request {self.rid!r}: input must have at least one token")
+        if self.output_len < 1:
+            raise ValueError(f"request {self.rid!r}: output_len must be >= 1")
+        if self.max_new_tokens < self.output_len:
+            raise ValueError(f"request {self.rid!r}: max_new_tokens < output_len")
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens the request holds context for: input plus generated output."""
+        return self.input_len + len(self.output_ids)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output_ids) >= self.output_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        """Tokens the scheduler must still reserve room for (by max_new_tokens)."""
+        return self.max_new_tokens - len(self.output_ids)
+
+    def all_ids(self) -> tuple[int, ...]:
+        """Input followed by generated output: the tokens a re-prefill must compute."""
+        return self.input_ids + tuple(self.output_ids)
+
+    def arrival_key(self) -> tuple[float, int]:
+        return (self.arrival_s, self.seq)
+
+    def __repr__(self) -> str:  # short: requests appear in assertion messages
+        return (
+            f"Request({self.rid!r}, client={self.client!r}, in={self.input_len}, "
+            f"out={len(self.output_ids)}/{self.output_len}, {self.phase.value})"
+        )

@@ -1,0 +1,1 @@
+"""sgl_fair.worker.sim: the simulated engine (roofline cost model) and discrete-event runner."""

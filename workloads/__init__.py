@@ -1,0 +1,1 @@
+"""sgl_fair.workloads: arrival processes, traces, programs and named experiments."""
