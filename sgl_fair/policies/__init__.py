@@ -1,1 +1,27 @@
-"""Local scheduling policies, one per file, behind one Protocol and a registry."""
+"""Local scheduling policies, one per file, behind one Protocol and a registry.
+
+from sgl_fair.policies import make_policy
+policy = make_policy("dlpm", quantum=2048)
+"""
+
+from sgl_fair.policies.base import (
+    BasePolicy,
+    Policy,
+    Rejection,
+    SchedulerView,
+    make_policy,
+    policy_class,
+    policy_names,
+    register,
+)
+
+__all__ = [
+    "BasePolicy",
+    "Policy",
+    "Rejection",
+    "SchedulerView",
+    "make_policy",
+    "policy_class",
+    "policy_names",
+    "register",
+]

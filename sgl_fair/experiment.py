@@ -1,0 +1,209 @@
+"""``python -m sgl_fair.experiment`` — run the papers' experiments on the simulator.
+
+    python -m sgl_fair.experiment list
+    python -m sgl_fair.experiment run NAME [--quick] [--out DIR] [--json] [--seed N]
+    python -m sgl_fair.experiment replay --trace FILE --policy P
+        [--gpu G --model M --tp N --kv-tokens N --policy-opt KEY=VALUE ...] [--json]
+
+Bad input (an unknown name, a malformed trace line, a bad option) prints one
+line naming the problem and exits with status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+EXIT_USAGE = 2
+PROG = "python -m sgl_fair.experiment"
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Run sgl-fair experiments on the simulated engine.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    sub.add_parser("list", help="list the named experiments")
+
+    run = sub.add_parser("run", help="run a named experiment")
+    run.add_argument("name")
+    run.add_argument("--quick", action="store_true", help="shorter run, same rates")
+    run.add_argument("--out", type=Path, default=None, help="output folder (default runs/NAME)")
+    run.add_argument("--json", action="store_true", help="print results JSON on stdout")
+    run.add_argument("--seed", type=int, default=0)
+
+    replay = sub.add_parser("replay", help="replay a JSONL trace through one simulated worker")
+    replay.add_argument("--trace", type=Path, required=True)
+    replay.add_argument("--policy", required=True)
+    replay.add_argument("--policy-opt", action="append", default=[], metavar="KEY=VALUE")
+    replay.add_argument("--gpu", default="A10G-24GB")
+    replay.add_argument("--model", default="Llama-2-7B")
+    replay.add_argument("--tp", type=int, default=None)
+    replay.add_argument("--kv-tokens", type=int, default=None)
+    replay.add_argument("--max-running-requests", type=int, default=256)
+    replay.add_argument("--chunked-prefill-size", type=int, default=8192)
+    replay.add_argument("--window-s", type=float, default=60.0)
+    replay.add_argument("--seed", type=int, default=0)
+    replay.add_argument("--json", action="store_true")
+    return parser
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_list() -> int:
+    from sgl_fair.workloads.experiments import EXPERIMENTS
+
+    width = max(map(len, EXPERIMENTS))
+    for exp in EXPERIMENTS.values():
+        print(f"{exp.name:<{width}}  {exp.figure:<12} {exp.description}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from sgl_fair.workloads.experiments import get_experiment, run_experiment
+    from sgl_fair.workloads.report import write_outputs
+
+    exp = _user_value(get_experiment, args.name)
+    result = run_experiment(exp, quick=args.quick, seed=args.seed)
+    out = args.out or Path("runs") / exp.name
+    paths = write_outputs(result, out)
+    data = result.to_json()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        _print_table(f"{exp.name} ({exp.figure}) — {exp.description}", result.rows)
+        for claim in result.claims:
+            mark = "PASS" if claim.passed else "FAIL"
+            print(f"  [{mark}] {claim.text} — {claim.detail}")
+        print(f"report: {paths['report']}  (results.json and plots alongside)")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from sgl_fair import metrics
+    from sgl_fair.cost import WeightedTokens
+    from sgl_fair.policies import make_policy
+    from sgl_fair.worker.scheduler import SchedulerConfig
+    from sgl_fair.worker.sim.cost_model import CostModel
+    from sgl_fair.worker.sim.runner import make_sim_worker, simulate
+    from sgl_fair.workloads.traces import load_trace
+
+    if args.kv_tokens is not None and args.kv_tokens < 1:
+        raise UsageError(f"--kv-tokens must be >= 1 (got {args.kv_tokens})")
+    if args.window_s <= 0:
+        raise UsageError(f"--window-s must be > 0 (got {args.window_s})")
+    if not args.trace.is_file():
+        raise UsageError(f"--trace: no such file: {args.trace}")
+    options = _parse_policy_opts(args.policy_opt)
+    policy = _user_value(lambda: make_policy(args.policy, **options))
+    cost_model = _user_value(lambda: CostModel.from_names(args.gpu, args.model, tp=args.tp))
+    config = _user_value(
+        lambda: SchedulerConfig(
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+        )
+    )
+    requests = _user_value(lambda: load_trace(args.trace, seed=args.seed))
+    sched, engine = make_sim_worker(
+        policy=policy, cost_model=cost_model, kv_tokens=args.kv_tokens, config=config
+    )
+    result = simulate(requests, scheduler=sched, engine=engine)
+    cost = WeightedTokens()
+    row = {
+        "policy": args.policy,
+        **metrics.summarize(result.log.events, result.records(), cost, window_s=args.window_s),
+        "sim_time_s": result.t_end_s,
+        "sim_wall_s": round(result.wall_s, 3),
+        "kv_tokens": result.kv_capacity_tokens,
+        "worker": cost_model.describe(),
+    }
+    if args.json:
+        print(json.dumps(row, indent=2))
+    else:
+        _print_table(f"replay {args.trace} on {args.gpu} + {args.model}", [row])
+        print(
+            f"  simulated {result.t_end_s:.1f} s in {result.wall_s:.2f} s "
+            f"({len(requests)} requests, KV pool {result.kv_capacity_tokens} tokens)"
+        )
+    return 0
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _user_value(fn, *args):
+    """Call ``fn``; a ValueError is the user's mistake and becomes a one-line UsageError."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _parse_policy_opts(items: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--policy-opt expects KEY=VALUE (got {item!r})")
+        options[key.replace("-", "_")] = _coerce(raw)
+    return options
+
+
+def _coerce(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from sgl_fair.workloads.report import table_rows
+
+    header, body = table_rows(rows)
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(header):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for r in body:
+        table.add_row(*r)
+    Console(width=max(120, len(title) + 4)).print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "list":
+            return cmd_list()
+        if args.command == "run":
+            return cmd_run(args)
+        return cmd_replay(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The local-policy seam: one small Protocol, a decorator registry, shared helpers.
+
+A policy sees requests and accounting events only (ARCHITECTURE "seams" #1):
+
+    on_arrival(req, now) -> Rejection | None   # admission control (RPM, FairServe OIT)
+    order(waiting, view) -> Iterator[Request]  # the admission walk, lazily
+    on_admitted(req, extend_len)               # charged *before* the walk resumes
+    on_tokens(req, n)                          # n output tokens generated
+    on_finished(req) / on_retracted(req)
+
+``order`` is a generator so that policies whose next choice depends on the
+previous admission (VTC's argmin counter, DLPM's deficit walk) are exact: the
+scheduler pulls one request, tries to admit it, and on success calls
+``on_admitted`` before pulling the next; on failure it closes the generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from sgl_fair.request import ClientId, Request
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a request was refused at arrival (HTTP 429 in serving)."""
+
+    reason: str
+    retry_after_s: float | None = None
+
+
+@runtime_checkable
+class SchedulerView(Protocol):
+    """What a policy may ask the scheduler during ``order``."""
+
+    @property
+    def now(self) -> float: ...
+
+    def prefix_len(self, req: Request) -> int:
+        """Tokens of ``req`` already cached on this worker (no side effects)."""
+        ...
+
+    @property
+    def running(self) -> Sequence[Request]: ...
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: ClassVar[str]
+
+    def on_arrival(self, req: Request, now: float) -> Rejection | None: ...
+
+    def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]: ...
+
+    def on_admitted(self, req: Request, extend_len: int) -> None: ...
+
+    def on_tokens(self, req: Request, n: int) -> None: ...
+
+    def on_finished(self, req: Request) -> None: ...
+
+    def on_retracted(self, req: Request) -> None: ...
+
+
+class BasePolicy:
+    """No-op defaults plus the waiting-count bookkeeping most policies need."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self) -> None:
+        self.active = ActiveClients()
+
+    def on_arrival(self, req: Request, now: float) -> Rejection | None:
+        self.active.enqueue(req.client)
+        return None
+
+    def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
+        return iter(waiting)
+
+    def on_admitted(self, req: Request, extend_len: int) -> None:
+        self.active.dequeue(req.client)
+
+    def on_tokens(self, req: Request, n: int) -> None:
+        return None
+
+    def on_finished(self, req: Request) -> None:
+        return None
+
+    def on_retracted(self, req: Request) -> None:
+        self.active.enqueue(req.client)
+
+
+class ActiveClients:
+    """Counts each client's waiting requests; a client is *active* (backlogged) while > 0."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[ClientId, int] = {}
+        self.last_left: ClientId | None = None
+
+    def is_active(self, client: ClientId) -> bool:
+        return self._waiting.get(client, 0) > 0
+
+    def clients(self) -> list[ClientId]:
+        return list(self._waiting)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def enqueue(self, client: ClientId) -> bool:
+        """Count one more waiting request; True when the client (re)joins the queue."""
+        n = self._waiting.get(client, 0)
+        self._waiting[client] = n + 1
+        return n == 0
+
+    def dequeue(self, client: ClientId) -> None:
+        n = self._waiting.get(client, 0)
+        if n <= 0:
+            raise AssertionError(f"client {client!r} has no waiting request to dequeue")
+        if n == 1:
+            del self._waiting[client]
+            self.last_left = client
+        else:
+            self._waiting[client] = n - 1
+
+
+def group_by_client(waiting: Sequence[Request]) -> dict[ClientId, list[Request]]:
+    """Waiting requests per client, each list in the scheduler's (arrival) order."""
+    groups: dict[ClientId, list[Request]] = {}
+    for req in waiting:
+        groups.setdefault(req.client, []).append(req)
+    return groups
+
+
+def client_weight(weights: Mapping[ClientId, float], client: ClientId) -> float:
+    return weights.get(client, 1.0)
+
+
+# ---------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: ``@register("vtc")``. The class must define a ``Config`` dataclass."""
+
+    def deco(cls: type) -> type:
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def policy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def policy_class(name: str) -> type:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """Build a policy by registry name; unknown names or options raise a one-line ValueError."""
+    cls = policy_class(name)
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no option {unknown[0]!r}; options: {', '.join(sorted(fields))}"
+        )
+    return cls(cls.Config(**options))
+
+
+def _load_builtin() -> None:
+    # Importing the modules runs their @register decorators.
+    from sgl_fair.policies import dlpm, fcfs, lcf, lpm, rpm, vtc  # noqa: F401

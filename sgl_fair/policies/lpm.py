@@ -1,0 +1,34 @@
+"""LPM: longest cached prefix first (SGLang's ``lpm``), ties by arrival.
+
+Unlike SGLang, which falls back to FCFS above 128 waiting requests, we always
+sort: prefix matching is O(prompt) per request (see bench/bench_policy_step.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from sgl_fair.policies.base import BasePolicy, SchedulerView, register
+from sgl_fair.request import Request
+
+
+def lpm_order(waiting: Sequence[Request], view: SchedulerView) -> list[Request]:
+    """Waiting requests sorted by matched prefix length (longest first), then arrival."""
+    keyed = [(-view.prefix_len(r), r.arrival_s, r.seq, r) for r in waiting]
+    keyed.sort(key=lambda k: k[:3])
+    return [k[3] for k in keyed]
+
+
+@register("lpm")
+class LPM(BasePolicy):
+    @dataclass(frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, config: Config | None = None) -> None:
+        super().__init__()
+        self.config = config or self.Config()
+
+    def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
+        return iter(lpm_order(waiting, view))

@@ -1,0 +1,356 @@
+"""Token radix tree: the KV prefix cache of a worker and the global router's locality map.
+
+Each edge holds a run of tokens (``Node.key``); a node stands for the whole path from the
+root to the end of its key::
+
+    root ─ (1, 2) ─┬─ (3, 4)      sequences (1, 2, 3, 4) and (1, 2, 5) share the node (1, 2);
+                   └─ (5,)        children are found by their key's first token
+
+Invariants (``check_invariants()`` proves them; tests call it after every operation):
+
+* handles (nodes) must be locked before use: an unlocked node may be evicted by the next
+  ``evict`` and must then not be used again; a locked node keeps its identity and its path,
+  even when a later insert splits an edge above it (the split adds the *upper* node);
+* ``lock_ref`` counts the locks on a node and its descendants: locking a node pins every
+  ancestor, so ``parent.lock_ref >= child.lock_ref`` and locked tokens are never evicted;
+* ``evict`` removes whole least-recently-used unlocked leaves, so it may free more than asked;
+* ``match`` never splits: if it ends mid-edge, ``length`` counts the partial edge but ``node``
+  is that edge's parent. To pin all ``length`` tokens, ``insert(tokens[:length])`` (which
+  splits) and lock the node it returns;
+* ``owners`` (the router's worker ids) are downward-closed: ``owners(child) ⊆ owners(parent)``,
+  so "worker u holds this prefix" is a path property and an owner-aware match stops at the
+  first node without ``u``;
+* ``total_tokens == evictable_tokens + locked_tokens``, each maintained in O(1).
+
+Access times are a logical clock (one tick per ``match``/``insert``), so eviction order is
+deterministic in tests and in the simulator.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+from itertools import chain
+from typing import NamedTuple
+
+Tokens = tuple[int, ...]
+
+
+class Node:
+    __slots__ = ("key", "parent", "children", "lock_ref", "last_access", "owners", "_in_heap")
+
+    def __init__(self, key: Tokens, parent: Node | None, last_access: int = 0) -> None:
+        self.key = key
+        self.parent = parent  # None for the root and for nodes removed from the tree
+        self.children: dict[int, Node] = {}
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.owners: set[Hashable] = set()
+        # True while the eviction heap holds an entry for this node (see RadixTree._heap).
+        self._in_heap = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Node(key={self.key!r}, lock_ref={self.lock_ref}, "
+            f"last_access={self.last_access}, owners={self.owners!r})"
+        )
+
+
+class MatchResult(NamedTuple):
+    length: int  # number of leading tokens matched
+    node: Node  # deepest node whose whole key lies inside the match (root if none)
+
+
+class InsertResult(NamedTuple):
+    prefix_len: int  # tokens already present before this insert
+    node: Node  # node whose key ends exactly at len(tokens)
+    num_new: int  # tokens newly added (= len(tokens) - prefix_len)
+
+
+def _common_len(key: Tokens, tokens: Tokens, start: int) -> int:
+    """Length of the common prefix of ``key`` and ``tokens[start:]``."""
+    limit = min(len(key), len(tokens) - start)
+    i = 0
+    while i < limit and key[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+class RadixTree:
+    def __init__(self) -> None:
+        self.root = Node((), None)
+        self._clock = 0
+        self._num_nodes = 1
+        self._total_tokens = 0
+        self._evictable_tokens = 0
+        # Min-heap of (last_access, seq, node) over unlocked leaves, invalidated lazily:
+        # touches do not update it (matching stays cheap); evict re-pushes entries whose
+        # time has moved on and drops entries of nodes that are no longer evictable leaves.
+        # Every evictable leaf has an entry with a time <= its own, so the first current
+        # entry popped is the true LRU leaf. `_in_heap` keeps it to one entry per node.
+        self._heap: list[tuple[int, int, Node]] = []
+        self._push_seq = 0
+
+    # ---- counters ------------------------------------------------------------------------
+
+    @property
+    def total_tokens(self) -> int:
+        return self._total_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self._evictable_tokens
+
+    @property
+    def locked_tokens(self) -> int:
+        return self._total_tokens - self._evictable_tokens
+
+    # ---- lookup --------------------------------------------------------------------------
+
+    def match(
+        self, tokens: Sequence[int], *, owner: Hashable | None = None, touch: bool = True
+    ) -> MatchResult:
+        """Longest prefix of ``tokens`` in the tree (held by ``owner`` if given)."""
+        tokens = tuple(tokens)
+        n = len(tokens)
+        node, pos = self.root, 0
+        tick = self._tick() if touch else 0
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None or (owner is not None and owner not in child.owners):
+                break
+            key = child.key
+            end = pos + len(key)
+            if tokens[pos:end] != key:  # the match ends inside this edge
+                pos += _common_len(key, tokens, pos)
+                break
+            if touch:
+                child.last_access = tick
+            node, pos = child, end
+        return MatchResult(pos, node)
+
+    def match_len(self, tokens: Sequence[int], *, owner: Hashable | None = None) -> int:
+        """``match(tokens, owner=owner, touch=False).length``."""
+        return self.match(tokens, owner=owner, touch=False).length
+
+    # ---- mutation ------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], *, owner: Hashable | None = None) -> InsertResult:
+        """Add the missing suffix of ``tokens``; touch the path; add ``owner`` along it."""
+        tokens = tuple(tokens)
+        n = len(tokens)
+        tick = self._tick()
+        node, pos = self.root, 0
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                leaf = self._add_leaf(node, tokens[pos:], tick)
+                if owner is not None:
+                    leaf.owners.add(owner)
+                return InsertResult(pos, leaf, n - pos)
+            key = child.key
+            end = pos + len(key)
+            if tokens[pos:end] != key:
+                # Diverges (or ends) inside this edge: cut it there so a node ends at the
+                # divergence point; the new upper node is then on our path.
+                split_at = _common_len(key, tokens, pos)
+                child = self._split(child, split_at)
+                end = pos + split_at
+            child.last_access = tick
+            if owner is not None:
+                child.owners.add(owner)
+            node, pos = child, end
+        return InsertResult(n, node, 0)
+
+    def lock(self, node: Node) -> None:
+        """Pin ``node`` and its ancestors against eviction (SGLang's inc_lock_ref)."""
+        self._check_attached(node)
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable_tokens -= len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        """Undo one ``lock(node)``; raises ValueError if ``node`` is not locked."""
+        self._check_attached(node)
+        if node is not self.root and node.lock_ref <= 0:
+            raise ValueError(f"unlock of a node that is not locked: {node!r}")
+        # Ancestors have lock_ref >= node.lock_ref > 0, so no count can go negative.
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_tokens += len(node.key)
+                if not node.children:
+                    self._push(node)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> list[tuple[Tokens, int]]:
+        """Remove LRU unlocked leaves until ``num_tokens`` are freed or none is left.
+
+        Returns ``(path, start)`` per removed node: its full token path from the root and
+        the offset of its key within that path, so ``path[start:]`` are the dropped tokens.
+        """
+        evicted: list[tuple[Tokens, int]] = []
+        num_freed = 0
+        heap = self._heap
+        while num_freed < num_tokens and heap:
+            last_access, _, node = heapq.heappop(heap)
+            node._in_heap = False
+            if node.parent is None or node.children or node.lock_ref > 0:
+                continue  # stale: removed, grown into an inner node, or locked since
+            if last_access != node.last_access:
+                self._push(node)  # touched since it was pushed: requeue at its real time
+                continue
+            path = self._path(node)
+            evicted.append((path, len(path) - len(node.key)))
+            num_freed += len(node.key)
+            self._remove_leaf(node)
+        return evicted
+
+    def remove_owner(self, tokens: Sequence[int], owner: Hashable, *, from_len: int = 0) -> int:
+        """Drop ``owner`` from every node covering ``tokens[from_len:]`` and below.
+
+        The subtree under position ``from_len`` of ``tokens`` loses ``owner`` (an edge
+        straddling ``from_len`` is split there). Nodes whose owner set this call emptied are
+        pruned if unlocked and childless, bottom-up. Returns the number of tokens pruned.
+        """
+        tokens = tuple(tokens)
+        from_len = max(from_len, 0)
+        if from_len >= len(tokens):
+            return 0
+        node, pos = self.root, 0
+        while True:  # find the edge holding position from_len along tokens
+            child = node.children.get(tokens[pos])
+            if child is None:
+                return 0
+            end = pos + len(child.key)
+            limit = min(end, from_len + 1)
+            if tokens[pos:limit] != child.key[: limit - pos]:
+                return 0  # tokens leave the tree before from_len
+            if end > from_len:
+                break
+            node, pos = child, end
+        if owner not in child.owners:
+            return 0  # downward-closed: nobody below holds it either
+        if pos < from_len:
+            self._split(child, from_len - pos)  # `child` stays the lower part
+        # Pre-order over the nodes holding `owner`; reversed, children come before parents,
+        # so a parent whose children were all pruned is seen childless.
+        visited: list[Node] = []
+        stack = [child]
+        while stack:
+            current = stack.pop()
+            current.owners.discard(owner)
+            visited.append(current)
+            stack.extend(c for c in current.children.values() if owner in c.owners)
+        num_pruned = 0
+        for current in reversed(visited):
+            if not current.owners and current.lock_ref == 0 and not current.children:
+                num_pruned += len(current.key)
+                self._remove_leaf(current)
+        # Pruned nodes leave dead heap entries behind; compact before they dominate.
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._heap = [entry for entry in self._heap if entry[2].parent is not None]
+            heapq.heapify(self._heap)
+        return num_pruned
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _push(self, node: Node) -> None:
+        if not node._in_heap:
+            node._in_heap = True
+            self._push_seq += 1
+            heapq.heappush(self._heap, (node.last_access, self._push_seq, node))
+
+    def _add_leaf(self, parent: Node, key: Tokens, tick: int) -> Node:
+        leaf = Node(key, parent, tick)
+        parent.children[key[0]] = leaf
+        self._num_nodes += 1
+        self._total_tokens += len(key)
+        self._evictable_tokens += len(key)
+        self._push(leaf)
+        return leaf
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut ``child``'s edge after ``at`` tokens; return the new upper node.
+
+        ``child`` keeps its identity as the lower part, so handles held by callers keep
+        pointing at the same path. The upper node copies lock_ref (every lock on ``child``
+        passes through it), last_access and owners, so all invariants still hold.
+        """
+        parent = child.parent
+        upper = Node(child.key[:at], parent, child.last_access)
+        upper.lock_ref = child.lock_ref
+        upper.owners = set(child.owners)
+        upper.children[child.key[at]] = child
+        parent.children[upper.key[0]] = upper
+        child.key = child.key[at:]
+        child.parent = upper
+        self._num_nodes += 1
+        return upper
+
+    def _remove_leaf(self, node: Node) -> None:
+        parent = node.parent
+        del parent.children[node.key[0]]
+        node.parent = None
+        self._num_nodes -= 1
+        self._total_tokens -= len(node.key)
+        self._evictable_tokens -= len(node.key)
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self._push(parent)
+
+    def _path(self, node: Node) -> Tokens:
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return tuple(chain.from_iterable(reversed(keys)))
+
+    def _check_attached(self, node: Node) -> None:
+        if node is not self.root and node.parent is None:
+            raise ValueError(f"node is no longer in the tree: {node!r}")
+
+    # ---- invariants ----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the structure or a counter is inconsistent."""
+        root = self.root
+        assert root.key == () and root.parent is None, "root must have an empty key, no parent"
+        assert root.lock_ref == 0, f"root lock_ref must stay 0, got {root.lock_ref}"
+        heap_time = {}
+        for last_access, _, node in self._heap:
+            heap_time[id(node)] = min(last_access, heap_time.get(id(node), last_access))
+        num_nodes, total, evictable = 1, 0, 0
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for first, child in node.children.items():
+                assert child.key, f"empty key under {node!r}"
+                assert child.key[0] == first, f"child {child!r} filed under token {first}"
+                assert child.parent is node, f"bad parent pointer at {child!r}"
+                assert child.lock_ref >= 0, f"negative lock_ref at {child!r}"
+                if node is not root:
+                    assert node.lock_ref >= child.lock_ref, f"lock_ref above {child!r} too low"
+                    assert child.owners <= node.owners, f"owners not downward-closed at {child!r}"
+                num_nodes += 1
+                total += len(child.key)
+                if child.lock_ref == 0:
+                    evictable += len(child.key)
+                    if not child.children:
+                        when = heap_time.get(id(child))
+                        assert when is not None and when <= child.last_access, (
+                            f"evictable leaf {child!r} has no valid eviction-heap entry"
+                        )
+                assert child._in_heap == (id(child) in heap_time), f"heap flag wrong at {child!r}"
+                stack.append(child)
+        assert num_nodes == self._num_nodes, f"node count {self._num_nodes} != {num_nodes}"
+        assert total == self._total_tokens, f"total_tokens {self._total_tokens} != {total}"
+        assert evictable == self._evictable_tokens, (
+            f"evictable_tokens {self._evictable_tokens} != {evictable}"
+        )
+        assert self.locked_tokens == total - evictable, "locked_tokens mismatch"

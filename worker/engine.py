@@ -1,0 +1,63 @@
+"""The scheduler ↔ engine seam (ARCHITECTURE seam #2).
+
+    batch = scheduler.step(now)      # what to run: a prefill batch or a decode batch
+    result = engine.run(batch)       # how long it took and which tokens came out
+    scheduler.apply(result, now)     # account tokens, finish, free
+
+The simulated engine answers from a cost model; the SGLang backend runs the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from sgl_fair.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Compute ``num_tokens`` tokens of ``req`` starting at position ``start``.
+
+    ``start`` counts tokens whose KV already exists (cached prefix, earlier chunks).
+    The chunk that completes the prompt (``last``) also samples the first output token.
+    """
+
+    req: Request
+    start: int
+    num_tokens: int
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One engine step: a prefill batch (new requests) or a decode batch (one token each)."""
+
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode: tuple[Request, ...] = ()
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill)
+
+    def sampling_requests(self) -> list[Request]:
+        """Requests that get one new token from this step, in result order."""
+        return [c.req for c in self.prefill if c.last] + list(self.decode)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    batch: Batch
+    duration_s: float
+    # One token id per ``batch.sampling_requests()``, same order.
+    next_token_ids: Sequence[int]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def run(self, batch: Batch) -> StepResult: ...

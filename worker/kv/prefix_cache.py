@@ -1,0 +1,123 @@
+"""The radix prefix cache on top of a KV allocator (SGLang's RadixCache, in token counts).
+
+Every KV token is in exactly one of four states::
+
+    capacity = free + cached (in the tree, unlocked: evictable LRU)
+                    + locked (in the tree, a running request's prefix)
+                    + private (a running request's own, not yet in the tree)
+
+Rules the scheduler relies on:
+
+* A request locks the tree node ending at its matched prefix *before* allocating,
+  so allocation-driven eviction can never take its prefix away.
+* ``allocate`` evicts LRU cached tokens as needed; eviction may free more than asked.
+* ``commit`` moves a request's computed tokens into the tree (private → tree),
+  freeing any it duplicated because another request inserted them meanwhile.
+* ``check_invariants`` proves the equation above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+from sgl_fair.radix import Node, RadixTree
+from sgl_fair.worker.kv.base import CACHE, KVAllocator
+
+
+class PrefixHandle(NamedTuple):
+    prefix_len: int
+    node: Node
+
+
+class KVUsage(NamedTuple):
+    free: int
+    cached: int
+    locked: int
+    private: int
+
+
+class PrefixKVCache:
+    def __init__(self, allocator: KVAllocator, tree: RadixTree | None = None) -> None:
+        self.allocator = allocator
+        self.tree = tree if tree is not None else RadixTree()
+        self.num_evicted_tokens = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.capacity_tokens
+
+    def available_tokens(self) -> int:
+        """Free now, or freeable by evicting unlocked cached prefixes."""
+        return self.allocator.num_free_tokens() + self.tree.evictable_tokens
+
+    def match_len(self, tokens: Sequence[int]) -> int:
+        """Cached prefix length; no LRU touch, no locking (for ordering policies)."""
+        return self.tree.match_len(tokens)
+
+    def acquire_prefix(self, tokens: tuple[int, ...], *, limit: int) -> PrefixHandle:
+        """Match and lock the longest cached prefix of ``tokens``, at most ``limit`` long."""
+        matched = min(self.tree.match(tokens).length, limit)
+        node = self.tree.root
+        if matched > 0:
+            # Inserting an existing prefix adds nothing; it splits the edge so a node ends
+            # exactly at `matched`, which is what gets locked.
+            node = self.tree.insert(tokens[:matched]).node
+        self.tree.lock(node)
+        return PrefixHandle(matched, node)
+
+    def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
+        return 0 <= num_tokens <= self.available_tokens()
+
+    def allocate(self, owner: Hashable, num_tokens: int) -> None:
+        short = num_tokens - self.allocator.num_free_tokens()
+        if short > 0:
+            self._evict(short)
+        self.allocator.allocate(owner, num_tokens)
+
+    def _evict(self, num_tokens: int) -> None:
+        freed = sum(len(path) - start for path, start in self.tree.evict(num_tokens))
+        if freed:
+            self.allocator.free(CACHE, freed)
+            self.num_evicted_tokens += freed
+
+    def commit(
+        self, owner: Hashable, tokens: tuple[int, ...], handle: PrefixHandle
+    ) -> PrefixHandle:
+        """Insert ``owner``'s computed ``tokens`` into the tree; returns the new locked handle.
+
+        ``owner`` privately holds the KV of ``tokens[handle.prefix_len:]`` (and maybe more,
+        e.g. a slot reserved for its next token, which stays private).
+        """
+        res = self.tree.insert(tokens)
+        if res.prefix_len < handle.prefix_len:
+            raise AssertionError("a locked prefix disappeared from the tree")
+        self.allocator.transfer(owner, CACHE, res.num_new)
+        duplicated = res.prefix_len - handle.prefix_len
+        if duplicated:
+            self.allocator.free(owner, duplicated)
+        self.tree.lock(res.node)
+        self.tree.unlock(handle.node)
+        return PrefixHandle(len(tokens), res.node)
+
+    def release(self, owner: Hashable, handle: PrefixHandle) -> None:
+        """Free everything ``owner`` holds privately and unlock its prefix."""
+        self.allocator.free(owner)
+        self.tree.unlock(handle.node)
+
+    def usage(self) -> KVUsage:
+        tree = self.tree
+        free = self.allocator.num_free_tokens()
+        private = self.capacity_tokens - free - tree.total_tokens
+        return KVUsage(free, tree.evictable_tokens, tree.locked_tokens, private)
+
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+        self.tree.check_invariants()
+        held = self.allocator.held(CACHE)
+        assert held == self.tree.total_tokens, (
+            f"allocator says the cache holds {held} tokens, the tree {self.tree.total_tokens}"
+        )
+        u = self.usage()
+        assert min(u) >= 0, f"negative KV state {u}"
+        assert sum(u) == self.capacity_tokens, f"{u} does not add up to {self.capacity_tokens}"

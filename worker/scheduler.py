@@ -1,0 +1,384 @@
+"""The worker's continuous-batching scheduler: pure, clock-agnostic, engine-agnostic.
+
+One step, mirroring SGLang's ``get_next_batch_to_run``::
+
+    waiting ──policy.order──▶ admit while it fits ──▶ prefill batch   (priority)
+                                  │ nothing admissible
+                                  ▼
+    running ─────────────────────────────────────▶ decode batch (+1 token each)
+                                  │ out of KV memory
+                                  ▼
+                      retract requests back to waiting
+
+Admission is bounded by ``max_running_requests``, a per-step prefill token budget
+(``chunked_prefill_size``; a prompt larger than what is left is chunked, one
+chunked request at a time) and KV memory: cached prefixes are shared through the
+radix tree, and running requests reserve room for their future output scaled by
+the *new-token ratio* (SGLang's optimistic estimate, decayed each decode step and
+raised after a retraction). Allocation is check-then-commit: tokens a step needs
+are allocated in ``step`` so ``apply`` never fails.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sgl_fair.policies.base import Policy, Rejection
+from sgl_fair.records import EventKind, RequestRecord, ServiceEvent
+from sgl_fair.request import Phase, Request
+from sgl_fair.worker.engine import Batch, PrefillChunk, StepResult
+from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Flags named after SGLang's ServerArgs where SGLang has one."""
+
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay_steps: int = 600
+    clip_max_new_tokens: int = 4096
+    retract_decode_steps: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "chunked_prefill_size", "clip_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError("need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
+
+    @property
+    def new_token_ratio_decay(self) -> float:
+        span = self.init_new_token_ratio - self.min_new_token_ratio
+        return span / max(self.new_token_ratio_decay_steps, 1)
+
+
+@dataclass
+class RunLog:
+    """Where a scheduler reports: service events and every request that left."""
+
+    events: list[ServiceEvent] = field(default_factory=list)
+    done: list[Request] = field(default_factory=list)
+
+    def records(self) -> list[RequestRecord]:
+        return [RequestRecord.from_request(r) for r in self.done]
+
+
+@dataclass
+class SchedulerStats:
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_retractions: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        policy: Policy,
+        kv: PrefixKVCache,
+        config: SchedulerConfig | None = None,
+        log: RunLog | None = None,
+    ) -> None:
+        self.policy = policy
+        self.kv = kv
+        self.config = config or SchedulerConfig()
+        self.log = log if log is not None else RunLog()
+        self.stats = SchedulerStats()
+        self.waiting: list[Request] = []  # arrival order
+        self.running: list[Request] = []  # prefilled, decoding
+        self.chunked: Request | None = None  # admitted, prompt partly computed
+        self.new_token_ratio = self.config.init_new_token_ratio
+        self._handles: dict[Request, PrefixHandle] = {}
+        self._now = 0.0
+        self._prefix_cache: dict[int, int] = {}
+        # SGLang's `batch_is_full`: the last walk stopped for lack of memory or running
+        # slots, so skip walking (O(waiting)) until a request finishes, is retracted or
+        # arrives. Decode steps run meanwhile, so this never idles the worker.
+        self._admission_blocked = False
+
+    # ------------------------------------------------------------ SchedulerView
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    def prefix_len(self, req: Request) -> int:
+        key = id(req)
+        n = self._prefix_cache.get(key)
+        if n is None:
+            n = self._prefix_cache[key] = self.kv.match_len(req.all_ids())
+        return n
+
+    # ------------------------------------------------------------ arrivals
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def add_request(self, req: Request, now: float) -> Rejection | None:
+        """Queue a request, or reject it (returned and logged) if it can never run here."""
+        self._now = now
+        need = req.input_len + req.max_new_tokens
+        if need > self.kv.capacity_tokens:
+            rejection = Rejection(
+                f"request needs {need} KV tokens (input {req.input_len} + max_new_tokens "
+                f"{req.max_new_tokens}) but the pool holds {self.kv.capacity_tokens}"
+            )
+        else:
+            rejection = self.policy.on_arrival(req, now)
+        if rejection is not None:
+            req.phase = Phase.REJECTED
+            req.reject_reason = rejection.reason
+            self.log.done.append(req)
+            return rejection
+        req.phase = Phase.WAITING
+        self._enqueue(req)
+        self._admission_blocked = False
+        return None
+
+    def _enqueue(self, req: Request) -> None:
+        if self.waiting and req.arrival_key() < self.waiting[-1].arrival_key():
+            bisect.insort(self.waiting, req, key=Request.arrival_key)
+        else:
+            self.waiting.append(req)
+
+    # ------------------------------------------------------------ step
+
+    def step(self, now: float) -> Batch | None:
+        """The next batch to run, or None when there is nothing to do."""
+        self._now = now
+        self._prefix_cache.clear()
+        if self.chunked is not None or (self.waiting and not self._admission_blocked):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self.stats.num_prefill_steps += 1
+                self.stats.num_prefill_tokens += batch.num_prefill_tokens
+                return batch
+        if self.running:
+            self._ensure_decode_memory()
+            for req in self.running:
+                self.kv.allocate(req, 1)
+            self.stats.num_decode_steps += 1
+            return Batch(decode=tuple(self.running))
+        self.new_token_ratio = self.config.init_new_token_ratio
+        return None
+
+    def _reserved_tokens(self) -> float:
+        """KV the running requests may still need (SGLang's new-token-ratio estimate)."""
+        clip = self.config.clip_max_new_tokens
+        reserved = self.new_token_ratio * sum(
+            min(r.remaining_new_tokens, clip) for r in self.running
+        )
+        if self.chunked is not None:
+            c = self.chunked
+            reserved += c.seq_len - c.num_computed + min(c.remaining_new_tokens, clip)
+        return reserved
+
+    def _schedule_prefill(self) -> Batch | None:
+        cfg = self.config
+        budget = cfg.chunked_prefill_size
+        chunks: list[PrefillChunk] = []
+        if self.chunked is not None:
+            chunk = self._continue_chunked(budget)
+            if chunk is None:
+                return None
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+            if not chunk.last:
+                return Batch(prefill=tuple(chunks))
+        num_active = len(self.running) + len(chunks)
+        if budget > 0 and self.waiting and num_active < cfg.max_running_requests:
+            chunks.extend(self._admit(budget, num_active))
+        return Batch(prefill=tuple(chunks)) if chunks else None
+
+    def _continue_chunked(self, budget: int) -> PrefillChunk | None:
+        req = self.chunked
+        assert req is not None
+        remaining = req.seq_len - req.num_computed
+        n = min(remaining, budget)
+        last = n == remaining
+        alloc = n + 1 if last else n
+        if not self.kv.can_allocate(req, alloc):
+            return None
+        self.kv.allocate(req, alloc)
+        if last:
+            self.chunked = None
+        return PrefillChunk(req, req.num_computed, n, last)
+
+    def _admit(self, budget: int, num_active: int) -> list[PrefillChunk]:
+        cfg = self.config
+        clip = cfg.clip_max_new_tokens
+        rem_total = self.kv.available_tokens() - self._reserved_tokens()
+        chunks: list[PrefillChunk] = []
+        admitted: set[int] = set()
+        walk = self.policy.order(tuple(self.waiting), self)
+        try:
+            for req in walk:
+                if budget <= 0:
+                    break
+                if num_active >= cfg.max_running_requests:
+                    self._admission_blocked = True
+                    break
+                tokens = req.all_ids()
+                reserve = min(req.remaining_new_tokens, clip)
+                cached = min(self.prefix_len(req), len(tokens) - 1)
+                if len(tokens) - cached + reserve > rem_total:
+                    self._admission_blocked = True
+                    break  # SGLang stops at the first request that does not fit
+                handle = self.kv.acquire_prefix(tokens, limit=len(tokens) - 1)
+                extend = len(tokens) - handle.prefix_len
+                n = min(extend, budget)
+                last = n == extend
+                alloc = n + 1 if last else n
+                if extend + reserve > rem_total or not self.kv.can_allocate(req, alloc):
+                    self.kv.tree.unlock(handle.node)
+                    self._admission_blocked = True
+                    break
+                self.kv.allocate(req, alloc)
+                self._on_admit(req, handle, extend)
+                admitted.add(id(req))
+                chunks.append(PrefillChunk(req, handle.prefix_len, n, last))
+                rem_total -= extend + reserve
+                budget -= n
+                num_active += 1
+                if not last:
+                    self.chunked = req
+                    break
+        finally:
+            close = getattr(walk, "close", None)  # generators: run their cleanup now
+            if close is not None:
+                close()
+        if admitted:
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        return chunks
+
+    def _on_admit(self, req: Request, handle: PrefixHandle, extend: int) -> None:
+        first = req.num_retractions == 0
+        req.phase = Phase.RUNNING
+        req.prefix_len = handle.prefix_len
+        req.num_computed = handle.prefix_len
+        self._handles[req] = handle
+        if first:
+            req.first_prefix_len = handle.prefix_len
+            req.admit_s = self._now
+            self.log.events.append(
+                ServiceEvent(
+                    self._now, req.client, req.rid, EventKind.PREFILL, req.input_len, extend
+                )
+            )
+        self.policy.on_admitted(req, extend if first else 0)
+
+    # ------------------------------------------------------------ memory pressure
+
+    def _ensure_decode_memory(self) -> None:
+        """Retract requests until every running one can grow (SGLang ``retract_decode``)."""
+        if self.kv.available_tokens() >= len(self.running):
+            return
+        steps = self.config.retract_decode_steps
+        victim_fn = getattr(self.policy, "victim", None)
+        while len(self.running) > 1 and (self.kv.available_tokens() < len(self.running) * steps):
+            victim = victim_fn(self.running) if victim_fn else self._default_victim()
+            self._retract(victim)
+        total_max_new = sum(r.max_new_tokens for r in self.running)
+        decoded = sum(r.num_output for r in self.running)
+        estimate = (decoded + steps * len(self.running)) / max(total_max_new, 1)
+        self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
+        if self.kv.available_tokens() < len(self.running):
+            raise MemoryError("KV pool too small for a single running request")
+
+    def _default_victim(self) -> Request:
+        # SGLang: fewest generated tokens first, then longest prompt (least work lost).
+        return min(self.running, key=lambda r: (r.num_output, -r.input_len, -r.seq))
+
+    def _retract(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.release(req, self._handles.pop(req))
+        req.phase = Phase.WAITING
+        req.num_computed = 0
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+        self._enqueue(req)
+        self._admission_blocked = False
+        self.policy.on_retracted(req)
+
+    # ------------------------------------------------------------ apply
+
+    def apply(self, result: StepResult, now: float) -> None:
+        """Account a finished step: new tokens, first-token times, finished requests."""
+        self._now = now
+        batch = result.batch
+        tokens = iter(result.next_token_ids)
+        for chunk in batch.prefill:
+            req = chunk.req
+            req.num_computed += chunk.num_tokens
+            if chunk.last:
+                self._handles[req] = self.kv.commit(req, req.all_ids(), self._handles[req])
+                self._emit_token(req, next(tokens))
+                if not self._maybe_finish(req):
+                    self.running.append(req)
+        if batch.decode:
+            cfg = self.config
+            self.new_token_ratio = max(
+                self.new_token_ratio - cfg.new_token_ratio_decay, cfg.min_new_token_ratio
+            )
+            finished = False
+            for req in batch.decode:
+                req.num_computed += 1  # the previous token's KV was computed by this step
+                self._emit_token(req, next(tokens))
+                finished |= req.done
+            if finished:
+                self.running = [r for r in self.running if not self._maybe_finish(r)]
+
+    def _emit_token(self, req: Request, token_id: int) -> None:
+        start = req.num_output
+        req.output_ids.append(token_id)
+        if req.first_token_s is None:
+            req.first_token_s = self._now
+        self.stats.num_decode_tokens += 1
+        self.log.events.append(
+            ServiceEvent(
+                self._now, req.client, req.rid, EventKind.DECODE, req.input_len, 0, start, start + 1
+            )
+        )
+        self.policy.on_tokens(req, 1)
+
+    def _maybe_finish(self, req: Request) -> bool:
+        if not req.done:
+            return False
+        handle = self.kv.commit(req, req.all_ids(), self._handles.pop(req))
+        self.kv.release(req, handle)
+        req.phase = Phase.FINISHED
+        req.finish_s = self._now
+        self._admission_blocked = False
+        self.log.done.append(req)
+        self.policy.on_finished(req)
+        return True
+
+    # ------------------------------------------------------------ introspection
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        in_flight = set(map(id, self.running))
+        if self.chunked is not None:
+            in_flight.add(id(self.chunked))
+        assert in_flight == set(map(id, self._handles)), "handles do not match running requests"
+        assert not in_flight & set(map(id, self.waiting)), "a request is both waiting and running"
+        assert all(r.phase is Phase.WAITING for r in self.waiting)
+        assert all(r.phase is Phase.RUNNING for r in self.running)
+        assert len(self.running) <= self.config.max_running_requests
+        for r in self.running:
+            # A running request holds KV for every token but the one it will feed next.
+            assert r.num_computed == r.seq_len - 1, f"{r}: computed {r.num_computed}"
+
+    def queue_snapshot(self) -> Sequence[Request]:
+        return tuple(self.waiting)

@@ -1,0 +1,236 @@
+"""Experiment outputs: ``results.json``, ``report.md`` and the papers' style of plots.
+
+Plots (matplotlib, headless):
+
+* ``service_rate.png`` — per-client service rate over time, one panel per policy
+  (VTC Fig. 3b/4b...: sliding windows of ``window_s``, stepped every few seconds);
+* ``response_time.png`` — per-client mean TTFT of the requests that arrived in each
+  window; a request still waiting at the end counts with its wait so far (a lower
+  bound), so starvation shows as a rising curve rather than a gap;
+* ``service_diff.png`` — absolute difference of accumulated service between the
+  two most-served clients (VTC Fig. 3a), all policies on one axis.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sgl_fair import metrics
+
+from .experiments import ExperimentResult, PolicyRun
+
+ROW_COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("throughput_tok_s", "tok/s", "{:.0f}"),
+    ("throughput_req_s", "req/s", "{:.2f}"),
+    ("jain", "Jain", "{:.3f}"),
+    ("service_diff_max", "diff max", "{:.0f}"),
+    ("service_diff_avg", "diff avg", "{:.0f}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.2f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.2f}"),
+    ("cache_hit_rate", "cache hit", "{:.2f}"),
+)
+
+
+PER_CLIENT_HEADER = ["policy", "client", "service", "rate/s", "TTFT p50", "TTFT p99", "done", "rej"]
+
+
+def fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    try:
+        return spec.format(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def table_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    header = [title for _, title, _ in ROW_COLUMNS]
+    body = [[fmt(row.get(key), spec) for key, _, spec in ROW_COLUMNS] for row in rows]
+    return header, body
+
+
+def markdown_table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def write_outputs(result: ExperimentResult, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "results": out_dir / "results.json",
+        "report": out_dir / "report.md",
+        "service_rate": out_dir / "service_rate.png",
+        "response_time": out_dir / "response_time.png",
+        "service_diff": out_dir / "service_diff.png",
+    }
+    data = result.to_json()
+    paths["results"].write_text(json.dumps(data, indent=2) + "\n")
+    plot_service_rate(result, paths["service_rate"])
+    plot_response_time(result, paths["response_time"])
+    plot_service_diff(result, paths["service_diff"])
+    paths["report"].write_text(render_report(result, data))
+    return paths
+
+
+def render_report(result: ExperimentResult, data: dict[str, Any]) -> str:
+    exp = result.experiment
+    worker = data["worker"]
+    header, body = table_rows(result.rows)
+    per_client = []
+    for run in result.runs.values():
+        for client, c in run.row["clients"].items():
+            per_client.append(
+                [
+                    run.spec.label,
+                    client,
+                    fmt(c["service"], "{:.0f}"),
+                    fmt(c["service_rate"], "{:.1f}"),
+                    fmt(c["ttft_p50_s"], "{:.2f}"),
+                    fmt(c["ttft_p99_s"], "{:.2f}"),
+                    str(c["num_finished"]),
+                    str(c["num_rejected"]),
+                ]
+            )
+    claims = "\n".join(
+        f"- [{'x' if c.passed else ' '}] {c.text} — {c.detail}" for c in result.claims
+    )
+    mode = "quick" if result.quick else "full length"
+    return f"""# {exp.name} — {exp.figure}
+
+{exp.description}
+
+Simulated {worker["gpu"]} + {worker["model"]} (tp={worker["tp"]}), KV pool
+{worker["kv_tokens"]} tokens, {result.duration_s:.0f} s of virtual time ({mode}), seed
+{result.seed}; service = {exp.cost}; {exp.window_s:.0f} s windows. Simulated in
+{result.wall_s:.1f} s of wall time.
+
+## Summary
+
+{markdown_table(header, body)}
+
+## Claims (the property the paper's figure shows)
+
+{claims}
+
+## Per client
+
+{markdown_table(PER_CLIENT_HEADER, per_client)}
+
+## Plots
+
+![service rate](service_rate.png)
+
+![response time](response_time.png)
+
+![accumulated service difference](service_diff.png)
+"""
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _step_s(result: ExperimentResult) -> float:
+    return max(1.0, result.duration_s / 120)
+
+
+def plot_service_rate(result: ExperimentResult, path: Path) -> None:
+    plt = _plt()
+    runs = list(result.runs.values())
+    exp = result.experiment
+    window = min(exp.window_s, result.duration_s / 4)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True, squeeze=False)
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        times, rates = metrics.service_rate_series(
+            run.arrays, exp.cost, window_s=window, t_end=result.duration_s, step_s=_step_s(result)
+        )
+        for client in sorted(rates):
+            ax.plot(times, rates[client], label=client)
+        ax.set_title(f"{run.spec.label}: service rate ({window:.0f} s window)")
+        ax.set_ylabel("service / s")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="upper right", fontsize="small")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def response_time_series(
+    run: PolicyRun, *, window_s: float, step_s: float, t_end: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Mean TTFT of requests arriving in each sliding window; unserved ones count their wait."""
+    ends = np.arange(window_s, t_end + 1e-9, step_s)
+    out: dict[str, np.ndarray] = {}
+    by_client: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for client in sorted({r.client for r in run.records}):
+        recs = [r for r in run.records if r.client == client and not r.rejected]
+        arr = np.array([r.arrival_s for r in recs])
+        ttft = np.array([r.ttft_s if r.ttft_s is not None else t_end - r.arrival_s for r in recs])
+        by_client[client] = (arr, ttft)
+    for client, (arr, ttft) in by_client.items():
+        order = np.argsort(arr, kind="stable")
+        arr, ttft = arr[order], ttft[order]
+        csum = np.concatenate([[0.0], np.cumsum(ttft)])
+        lo = np.searchsorted(arr, ends - window_s, side="left")
+        hi = np.searchsorted(arr, ends, side="left")
+        count = hi - lo
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[client] = np.where(count > 0, (csum[hi] - csum[lo]) / count, np.nan)
+    return ends, out
+
+
+def plot_response_time(result: ExperimentResult, path: Path) -> None:
+    plt = _plt()
+    runs = list(result.runs.values())
+    window = min(result.experiment.window_s, result.duration_s / 4)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True, squeeze=False)
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        times, series = response_time_series(
+            run, window_s=window, step_s=_step_s(result), t_end=result.duration_s
+        )
+        for client, values in series.items():
+            ax.plot(times, values, label=client)
+        ax.set_title(f"{run.spec.label}: response time (mean TTFT, {window:.0f} s window)")
+        ax.set_ylabel("seconds")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="upper left", fontsize="small")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_service_diff(result: ExperimentResult, path: Path) -> None:
+    plt = _plt()
+    exp = result.experiment
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    times = np.arange(0.0, result.duration_s + 1e-9, _step_s(result))
+    for run in result.runs.values():
+        acc = metrics.accumulated_service(run.arrays, exp.cost, times=times)
+        top = sorted(acc, key=lambda c: -acc[c][-1])[:2]
+        if len(top) < 2:
+            continue
+        ax.plot(times, np.abs(acc[top[0]] - acc[top[1]]), label=run.spec.label)
+    ax.set_title("absolute difference of accumulated service (two most-served clients)")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("service")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
