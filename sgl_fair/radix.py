@@ -37,7 +37,16 @@ Tokens = tuple[int, ...]
 
 
 class Node:
-    __slots__ = ("key", "parent", "children", "lock_ref", "last_access", "owners", "_in_heap")
+    __slots__ = (
+        "key",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access",
+        "owners",
+        "version",
+        "_in_heap",
+    )
 
     def __init__(self, key: Tokens, parent: Node | None, last_access: int = 0) -> None:
         self.key = key
@@ -46,6 +55,9 @@ class Node:
         self.lock_ref = 0
         self.last_access = last_access
         self.owners: set[Hashable] = set()
+        # Bumped when a child is added below this node (or its parent) or removed from it:
+        # a memoized match that ended here is stale iff the version moved (MatchMemo).
+        self.version = 0
         # True while the eviction heap holds an entry for this node (see RadixTree._heap).
         self._in_heap = False
 
@@ -68,18 +80,39 @@ class InsertResult(NamedTuple):
 
 
 def _common_len(key: Tokens, tokens: Tokens, start: int) -> int:
-    """Length of the common prefix of ``key`` and ``tokens[start:]``."""
-    limit = min(len(key), len(tokens) - start)
-    i = 0
-    while i < limit and key[i] == tokens[start + i]:
-        i += 1
-    return i
+    """Length of the common prefix of ``key`` and ``tokens[start:]``.
+
+    Bisects with slice comparisons (C speed): O(log n) compares instead of n Python steps.
+    """
+    lo, hi = 0, min(len(key), len(tokens) - start)  # key[:lo] == tokens[start:start+lo]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if key[lo:mid] == tokens[start + lo : start + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class MatchMemo(NamedTuple):
+    """A remembered ``match``: valid while ``node`` is attached and its version unchanged.
+
+    A request's match can only grow if a branch is added at the node where it ended, or
+    inside the edge it partly matched (which first splits that edge: the split bumps the
+    node); it can only shrink if the child it ran into is removed. All three bump
+    ``node.version``; changes elsewhere in the tree leave the memo valid.
+    """
+
+    node: Node
+    version: int
+    length: int
 
 
 class RadixTree:
     def __init__(self) -> None:
         self.root = Node((), None)
         self._clock = 0
+        self._version = 0
         self._num_nodes = 1
         self._total_tokens = 0
         self._evictable_tokens = 0
@@ -132,6 +165,15 @@ class RadixTree:
     def match_len(self, tokens: Sequence[int], *, owner: Hashable | None = None) -> int:
         """``match(tokens, owner=owner, touch=False).length``."""
         return self.match(tokens, owner=owner, touch=False).length
+
+    def memo_match(self, tokens: Sequence[int], memo: MatchMemo | None) -> MatchMemo:
+        """``match_len`` for a prompt matched before: O(1) when nothing on its path changed."""
+        if memo is not None:
+            node = memo.node
+            if node.version == memo.version and (node.parent is not None or node is self.root):
+                return memo
+        m = self.match(tokens, touch=False)
+        return MatchMemo(m.node, m.node.version, m.length)
 
     # ---- mutation ------------------------------------------------------------------------
 
@@ -267,9 +309,15 @@ class RadixTree:
             self._push_seq += 1
             heapq.heappush(self._heap, (node.last_access, self._push_seq, node))
 
+    def _bump(self, node: Node | None) -> None:
+        if node is not None:
+            self._version += 1
+            node.version = self._version
+
     def _add_leaf(self, parent: Node, key: Tokens, tick: int) -> Node:
         leaf = Node(key, parent, tick)
         parent.children[key[0]] = leaf
+        self._bump(parent)  # a match that ended at `parent` may now be longer
         self._num_nodes += 1
         self._total_tokens += len(key)
         self._evictable_tokens += len(key)
@@ -289,6 +337,9 @@ class RadixTree:
         upper.owners = set(child.owners)
         upper.children[child.key[at]] = child
         parent.children[upper.key[0]] = upper
+        # A match that ended at `parent` and ran partly into this edge may grow through
+        # the branch about to be added at `upper`.
+        self._bump(parent)
         child.key = child.key[at:]
         child.parent = upper
         self._num_nodes += 1
@@ -298,6 +349,7 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.key[0]]
         node.parent = None
+        self._bump(parent)  # matches ending at `parent` and running into `node` shrink
         self._num_nodes -= 1
         self._total_tokens -= len(node.key)
         self._evictable_tokens -= len(node.key)

@@ -116,6 +116,8 @@ class Request:
 
     def all_ids(self) -> tuple[int, ...]:
         """Input followed by generated output: the tokens a re-prefill must compute."""
+        if not self.output_ids:
+            return self.input_ids  # no copy: the common case, matched on every admission walk
         return self.input_ids + tuple(self.output_ids)
 
     def arrival_key(self) -> tuple[float, int]:

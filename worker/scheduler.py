@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sgl_fair.policies.base import Policy, Rejection
+from sgl_fair.radix import MatchMemo
 from sgl_fair.records import EventKind, RequestRecord, ServiceEvent
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker.engine import Batch, PrefillChunk, StepResult
@@ -97,7 +98,8 @@ class Scheduler:
         self.new_token_ratio = self.config.init_new_token_ratio
         self._handles: dict[Request, PrefixHandle] = {}
         self._now = 0.0
-        self._prefix_cache: dict[int, int] = {}
+        # Waiting request -> memoized prefix match (valid until its tree path changes).
+        self._match_memo: dict[Request, MatchMemo] = {}
         # SGLang's `batch_is_full`: the last walk stopped for lack of memory or running
         # slots, so skip walking (O(waiting)) until a request finishes, is retracted or
         # arrives. Decode steps run meanwhile, so this never idles the worker.
@@ -110,11 +112,11 @@ class Scheduler:
         return self._now
 
     def prefix_len(self, req: Request) -> int:
-        key = id(req)
-        n = self._prefix_cache.get(key)
-        if n is None:
-            n = self._prefix_cache[key] = self.kv.match_len(req.all_ids())
-        return n
+        memo = self._match_memo.get(req)
+        fresh = self.kv.memo_match(req.all_ids(), memo)
+        if fresh is not memo:
+            self._match_memo[req] = fresh
+        return fresh.length
 
     # ------------------------------------------------------------ arrivals
 
@@ -157,7 +159,6 @@ class Scheduler:
     def step(self, now: float) -> Batch | None:
         """The next batch to run, or None when there is nothing to do."""
         self._now = now
-        self._prefix_cache.clear()
         if self.chunked is not None or (self.waiting and not self._admission_blocked):
             batch = self._schedule_prefill()
             if batch is not None:
@@ -260,6 +261,9 @@ class Scheduler:
                 close()
         if admitted:
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
+            memo = self._match_memo
+            for chunk in chunks:
+                memo.pop(chunk.req, None)
         return chunks
 
     def _on_admit(self, req: Request, handle: PrefixHandle, extend: int) -> None:

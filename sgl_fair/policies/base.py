@@ -3,7 +3,8 @@
 A policy sees requests and accounting events only (ARCHITECTURE "seams" #1):
 
     on_arrival(req, now) -> Rejection | None   # admission control (RPM, FairServe OIT)
-    order(waiting, view) -> Iterator[Request]  # the admission walk, lazily
+    order(waiting, view) -> Iterator[Request]  # the admission walk, lazily; `waiting`
+                                               # is in arrival order
     on_admitted(req, extend_len)               # charged *before* the walk resumes
     on_tokens(req, n)                          # n output tokens generated
     on_finished(req) / on_retracted(req)

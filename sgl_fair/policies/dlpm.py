@@ -15,7 +15,9 @@ is the paper's ``d_c = 0``.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -77,21 +79,31 @@ class DLPM(BasePolicy):
         self._charge(req.client, cost)
 
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
-        remaining = lpm_order(waiting, view)
-        while remaining:
-            skipped: list[Request] = []
-            for req in remaining:
-                if self.deficit(req.client) > 0:
-                    yield req  # resumed only if admitted (and charged)
-                else:
-                    skipped.append(req)
-            if not skipped:
-                return
-            # A full pass admitted nothing more: every active client is out of deficit
-            # (deficits only fall during a walk). Replenish. Doing k rounds at once is the
-            # same as k passes of Alg. 1 line 7 that each admit nothing.
-            self._replenish({r.client for r in skipped})
-            remaining = skipped
+        """Alg. 1's walk: passes over the LPM order, admitting clients with deficit left.
+
+        A client's deficit changes only through its own admissions during a walk, so in one
+        pass a client yields exactly its LPM-ordered requests up to the one that exhausts
+        its deficit. Merging the clients' queues by LPM rank (a heap) yields the very same
+        sequence as scanning the list, without touching skipped requests again.
+        """
+        queues: dict[ClientId, deque[tuple[int, Request]]] = {}
+        for rank, req in enumerate(lpm_order(waiting, view)):
+            queues.setdefault(req.client, deque()).append((rank, req))
+        while queues:
+            heap = [(q[0][0], c) for c, q in queues.items() if self.deficit(c) > 0]
+            heapq.heapify(heap)
+            while heap:
+                _, c = heapq.heappop(heap)
+                q = queues[c]
+                yield q.popleft()[1]  # resumed only if admitted (and charged)
+                if not q:
+                    del queues[c]
+                elif self.deficit(c) > 0:
+                    heapq.heappush(heap, (q[0][0], c))
+            if queues:
+                # Every active client is out of deficit: replenish (Alg. 1 line 7). Doing
+                # k rounds at once equals k passes that each admit nothing.
+                self._replenish(set(queues))
 
     def _replenish(self, clients: set[ClientId]) -> None:
         # Deficits are kept in weight-normalised units (charges are divided by the weight),

@@ -14,10 +14,14 @@ from sgl_fair.request import Request
 
 
 def lpm_order(waiting: Sequence[Request], view: SchedulerView) -> list[Request]:
-    """Waiting requests sorted by matched prefix length (longest first), then arrival."""
-    keyed = [(-view.prefix_len(r), r.arrival_s, r.seq, r) for r in waiting]
-    keyed.sort(key=lambda k: k[:3])
-    return [k[3] for k in keyed]
+    """Waiting requests sorted by matched prefix length (longest first), then arrival.
+
+    ``waiting`` comes in arrival order (the scheduler's contract), and a stable sort on
+    the length alone keeps that order among ties: no tuple keys on the hot path.
+    """
+    lens = [view.prefix_len(r) for r in waiting]
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    return [waiting[i] for i in order]
 
 
 @register("lpm")

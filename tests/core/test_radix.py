@@ -9,7 +9,7 @@ predicted from plain set operations.
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -381,3 +381,32 @@ RadixMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, derandomize=True
 )
 TestRadixMachine = RadixMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------------
+# Memoized matches stay exact across unrelated changes and go stale on related ones.
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1, max_size=8),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "evict"]),
+            st.lists(st.integers(0, 3), min_size=1, max_size=10),
+        ),
+        max_size=25,
+    ),
+)
+def test_memo_match_always_equals_fresh_match(prompts, ops):
+    tree = RadixTree()
+    prompts = [tuple(p) for p in prompts]
+    memos = {p: tree.memo_match(p, None) for p in prompts}
+    for op, seq in ops:
+        if op == "insert":
+            tree.insert(tuple(seq))
+        else:
+            tree.evict(len(seq))
+        for p in prompts:
+            memos[p] = tree.memo_match(p, memos[p])
+            assert memos[p].length == tree.match_len(p), (p, op, seq)

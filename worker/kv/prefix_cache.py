@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
-from sgl_fair.radix import Node, RadixTree
+from sgl_fair.radix import MatchMemo, Node, RadixTree
 from sgl_fair.worker.kv.base import CACHE, KVAllocator
 
 
@@ -54,6 +54,10 @@ class PrefixKVCache:
     def match_len(self, tokens: Sequence[int]) -> int:
         """Cached prefix length; no LRU touch, no locking (for ordering policies)."""
         return self.tree.match_len(tokens)
+
+    def memo_match(self, tokens: Sequence[int], memo: MatchMemo | None) -> MatchMemo:
+        """Cached prefix length, remembered across steps while the request's path is unchanged."""
+        return self.tree.memo_match(tokens, memo)
 
     def acquire_prefix(self, tokens: tuple[int, ...], *, limit: int) -> PrefixHandle:
         """Match and lock the longest cached prefix of ``tokens``, at most ``limit`` long."""

@@ -1,0 +1,45 @@
+"""``make bench``: run every benchmark and print one JSON document with machine and date."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_policy_step  # noqa: E402
+import bench_sim_speed  # noqa: E402
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def main() -> None:
+    sys.argv = sys.argv[:1]
+    results = {
+        "date": dt.date.today().isoformat(),
+        "machine": machine(),
+        "sim_speed": bench_sim_speed.main(),
+        "policy_step": bench_policy_step.main(),
+    }
+    out = Path("runs") / "bench.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()
