@@ -152,7 +152,7 @@ def plot_service_rate(result: ExperimentResult, path: Path) -> None:
     plt = _plt()
     runs = list(result.runs.values())
     exp = result.experiment
-    window = min(exp.window_s, result.duration_s / 4)
+    window = min(exp.window_s, result.duration_s / 8)
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         times, rates = metrics.service_rate_series(
@@ -197,7 +197,7 @@ def response_time_series(
 def plot_response_time(result: ExperimentResult, path: Path) -> None:
     plt = _plt()
     runs = list(result.runs.values())
-    window = min(result.experiment.window_s, result.duration_s / 4)
+    window = min(result.experiment.window_s, result.duration_s / 8)
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
         times, series = response_time_series(
