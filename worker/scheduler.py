@@ -189,6 +189,8 @@ class Scheduler:
         cfg = self.config
         budget = cfg.chunked_prefill_size
         chunks: list[PrefillChunk] = []
+        # KV promised to requests of this batch but not allocated yet (their future output).
+        promised = 0
         if self.chunked is not None:
             chunk = self._continue_chunked(budget)
             if chunk is None:
@@ -197,10 +199,16 @@ class Scheduler:
             budget -= chunk.num_tokens
             if not chunk.last:
                 return Batch(prefill=tuple(chunks))
+            # Its prompt completes now; it leaves `chunked`, so _reserved_tokens no longer
+            # counts its output: keep it promised (its first token's slot is allocated).
+            promised += min(chunk.req.remaining_new_tokens, cfg.clip_max_new_tokens) - 1
         num_active = len(self.running) + len(chunks)
         if budget > 0 and self.waiting and num_active < cfg.max_running_requests:
-            chunks.extend(self._admit(budget, num_active))
-        return Batch(prefill=tuple(chunks)) if chunks else None
+            chunks.extend(self._admit(budget, num_active, promised))
+        if not chunks:
+            return None
+        self._in_batch = tuple(c.req for c in chunks)
+        return Batch(prefill=tuple(chunks))
 
     def _continue_chunked(self, budget: int) -> PrefillChunk | None:
         req = self.chunked
@@ -216,10 +224,18 @@ class Scheduler:
             self.chunked = None
         return PrefillChunk(req, req.num_computed, n, last)
 
-    def _admit(self, budget: int, num_active: int) -> list[PrefillChunk]:
+    def _admit(self, budget: int, num_active: int, promised: int) -> list[PrefillChunk]:
+        """Pull requests from the policy's order while they fit (SGLang's PrefillAdder).
+
+        Room is measured live: ``available_tokens()`` already reflects this step's
+        allocations and the prefixes it locked (locking turns evictable tokens into
+        locked ones), minus the reservation of running requests and what this step
+        promised to the requests it admitted.
+        """
         cfg = self.config
         clip = cfg.clip_max_new_tokens
-        rem_total = self.kv.available_tokens() - self._reserved_tokens()
+        reserved = self._reserved_tokens()
+        kv = self.kv
         chunks: list[PrefillChunk] = []
         admitted: set[int] = set()
         walk = self.policy.order(tuple(self.waiting), self)
@@ -233,23 +249,25 @@ class Scheduler:
                 tokens = req.all_ids()
                 reserve = min(req.remaining_new_tokens, clip)
                 cached = min(self.prefix_len(req), len(tokens) - 1)
-                if len(tokens) - cached + reserve > rem_total:
+                if len(tokens) - cached + reserve > kv.available_tokens() - reserved - promised:
                     self._admission_blocked = True
                     break  # SGLang stops at the first request that does not fit
-                handle = self.kv.acquire_prefix(tokens, limit=len(tokens) - 1)
+                handle = kv.acquire_prefix(tokens, limit=len(tokens) - 1)
                 extend = len(tokens) - handle.prefix_len
                 n = min(extend, budget)
                 last = n == extend
                 alloc = n + 1 if last else n
-                if extend + reserve > rem_total or not self.kv.can_allocate(req, alloc):
-                    self.kv.tree.unlock(handle.node)
+                room = kv.available_tokens() - reserved - promised  # after the lock
+                if extend + reserve > room or not kv.can_allocate(req, alloc):
+                    kv.tree.unlock(handle.node)
                     self._admission_blocked = True
                     break
-                self.kv.allocate(req, alloc)
+                kv.allocate(req, alloc)
                 self._on_admit(req, handle, extend)
                 admitted.add(id(req))
                 chunks.append(PrefillChunk(req, handle.prefix_len, n, last))
-                rem_total -= extend + reserve
+                if last:  # a chunked request's rest is reserved via `self.chunked`
+                    promised += extend + reserve - alloc
                 budget -= n
                 num_active += 1
                 if not last:
@@ -321,6 +339,7 @@ class Scheduler:
         """Account a finished step: new tokens, first-token times, finished requests."""
         self._now = now
         batch = result.batch
+        self._in_batch = ()
         tokens = iter(result.next_token_ids)
         for chunk in batch.prefill:
             req = chunk.req
@@ -372,7 +391,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        in_flight = set(map(id, self.running))
+        in_flight = set(map(id, self.running)) | set(map(id, self._in_batch))
         if self.chunked is not None:
             in_flight.add(id(self.chunked))
         assert in_flight == set(map(id, self._handles)), "handles do not match running requests"

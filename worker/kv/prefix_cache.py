@@ -22,7 +22,7 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from sgl_fair.radix import MatchMemo, Node, RadixTree
-from sgl_fair.worker.kv.base import CACHE, KVAllocator
+from sgl_fair.worker.kv.base import CACHE, KVAllocator, OutOfMemory
 
 
 class PrefixHandle(NamedTuple):
@@ -74,6 +74,8 @@ class PrefixKVCache:
         return 0 <= num_tokens <= self.available_tokens()
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
+        if not self.can_allocate(owner, num_tokens):  # check before evicting anything
+            raise OutOfMemory(f"need {num_tokens} tokens, {self.available_tokens()} available")
         short = num_tokens - self.allocator.num_free_tokens()
         if short > 0:
             self._evict(short)
