@@ -148,26 +148,37 @@ def _step_s(result: ExperimentResult) -> float:
     return max(1.0, result.duration_s / 120)
 
 
-def plot_service_rate(result: ExperimentResult, path: Path) -> None:
+def _policy_panels(
+    result: ExperimentResult, path: Path, *, title: str, ylabel: str, series
+) -> None:
+    """One panel per policy; ``series(run, window_s, step_s)`` gives (times, {client: values})."""
     plt = _plt()
     runs = list(result.runs.values())
-    exp = result.experiment
-    window = min(exp.window_s, result.duration_s / 8)
+    window = min(result.experiment.window_s, result.duration_s / 8)
     fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=True):
-        times, rates = metrics.service_rate_series(
-            run.arrays, exp.cost, window_s=window, t_end=result.duration_s, step_s=_step_s(result)
-        )
-        for client in sorted(rates):
-            ax.plot(times, rates[client], label=client)
-        ax.set_title(f"{run.spec.label}: service rate ({window:.0f} s window)")
-        ax.set_ylabel("service / s")
+        times, values = series(run, window, _step_s(result))
+        for client in sorted(values):
+            ax.plot(times, values[client], label=client)
+        ax.set_title(f"{run.spec.label}: {title} ({window:.0f} s window)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(loc="upper right", fontsize="small")
     axes[-1, 0].set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def plot_service_rate(result: ExperimentResult, path: Path) -> None:
+    exp = result.experiment
+
+    def series(run: PolicyRun, window_s: float, step_s: float):
+        return metrics.service_rate_series(
+            run.arrays, exp.cost, window_s=window_s, t_end=result.duration_s, step_s=step_s
+        )
+
+    _policy_panels(result, path, title="service rate", ylabel="service / s", series=series)
 
 
 def response_time_series(
@@ -195,24 +206,10 @@ def response_time_series(
 
 
 def plot_response_time(result: ExperimentResult, path: Path) -> None:
-    plt = _plt()
-    runs = list(result.runs.values())
-    window = min(result.experiment.window_s, result.duration_s / 8)
-    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True, squeeze=False)
-    for ax, run in zip(axes[:, 0], runs, strict=True):
-        times, series = response_time_series(
-            run, window_s=window, step_s=_step_s(result), t_end=result.duration_s
-        )
-        for client, values in series.items():
-            ax.plot(times, values, label=client)
-        ax.set_title(f"{run.spec.label}: response time (mean TTFT, {window:.0f} s window)")
-        ax.set_ylabel("seconds")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(loc="upper left", fontsize="small")
-    axes[-1, 0].set_xlabel("time (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    def series(run: PolicyRun, window_s: float, step_s: float):
+        return response_time_series(run, window_s=window_s, step_s=step_s, t_end=result.duration_s)
+
+    _policy_panels(result, path, title="response time (mean TTFT)", ylabel="seconds", series=series)
 
 
 def plot_service_diff(result: ExperimentResult, path: Path) -> None:

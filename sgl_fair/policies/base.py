@@ -66,11 +66,16 @@ class Policy(Protocol):
 
 
 class BasePolicy:
-    """No-op defaults plus the waiting-count bookkeeping most policies need."""
+    """No-op defaults plus the waiting-count bookkeeping most policies need.
+
+    Subclasses define a frozen ``Config`` dataclass; ``make_policy`` builds it from options.
+    """
 
     name: ClassVar[str] = "base"
+    Config: ClassVar[type]
 
-    def __init__(self) -> None:
+    def __init__(self, config: Any = None) -> None:
+        self.config = config if config is not None else self.Config()
         self.active = ActiveClients()
 
     def on_arrival(self, req: Request, now: float) -> Rejection | None:

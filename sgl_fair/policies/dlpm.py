@@ -50,8 +50,7 @@ class DLPM(BasePolicy):
                 raise ValueError(f"dlpm: weights must be > 0 (got {bad})")
 
     def __init__(self, config: Config | None = None) -> None:
-        super().__init__()
-        self.config = config or self.Config()
+        super().__init__(config)
         self.deficits: dict[ClientId, float] = {}
 
     def deficit(self, client: ClientId) -> float:

@@ -15,10 +15,6 @@ class FCFS(BasePolicy):
     class Config:
         pass
 
-    def __init__(self, config: Config | None = None) -> None:
-        super().__init__()
-        self.config = config or self.Config()
-
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
         # The scheduler keeps `waiting` in arrival order already.
         return iter(list(waiting))

@@ -30,9 +30,5 @@ class LPM(BasePolicy):
     class Config:
         pass
 
-    def __init__(self, config: Config | None = None) -> None:
-        super().__init__()
-        self.config = config or self.Config()
-
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
         return iter(lpm_order(waiting, view))

@@ -29,8 +29,7 @@ class RPM(BasePolicy):
                 raise ValueError(f"rpm: window_s must be > 0 (got {self.window_s})")
 
     def __init__(self, config: Config | None = None) -> None:
-        super().__init__()
-        self.config = config or self.Config()
+        super().__init__(config)
         self._accepted: dict[ClientId, deque[float]] = {}
 
     def on_arrival(self, req: Request, now: float) -> Rejection | None:

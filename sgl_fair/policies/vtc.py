@@ -65,8 +65,7 @@ class VTC(BasePolicy):
                 raise ValueError(f"vtc: oracle_noise must be in [0, 1) (got {self.oracle_noise})")
 
     def __init__(self, config: Config | None = None) -> None:
-        super().__init__()
-        self.config = config or self.Config()
+        super().__init__(config)
         self.counters: dict[ClientId, float] = {}
         self._predicted: dict[int, int] = {}  # id(req) -> predicted output tokens charged
         self._history: dict[ClientId, deque[int]] = {}
