@@ -4,9 +4,8 @@ Plots (matplotlib, headless):
 
 * ``service_rate.png`` — per-client service rate over time, one panel per policy
   (VTC Fig. 3b/4b...: sliding windows of ``window_s``, stepped every few seconds);
-* ``response_time.png`` — per-client mean TTFT of the requests that arrived in each
-  window; a request still waiting at the end counts with its wait so far (a lower
-  bound), so starvation shows as a rising curve rather than a gap;
+* ``response_time.png`` — per-client mean TTFT of the served requests that arrived in
+  each window; where most of a window's requests were never served the curve has a gap;
 * ``service_diff.png`` — absolute difference of accumulated service between the
   two most-served clients (VTC Fig. 3a), all policies on one axis.
 """
@@ -184,24 +183,29 @@ def plot_service_rate(result: ExperimentResult, path: Path) -> None:
 def response_time_series(
     run: PolicyRun, *, window_s: float, step_s: float, t_end: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Mean TTFT of requests arriving in each sliding window; unserved ones count their wait."""
+    """Mean TTFT of the served requests that arrived in each sliding window.
+
+    A window where fewer than half of the client's requests were served by the end of the
+    run is left out (NaN: a gap in the curve) — its mean would describe only the lucky few.
+    """
     ends = np.arange(window_s, t_end + 1e-9, step_s)
     out: dict[str, np.ndarray] = {}
-    by_client: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for client in sorted({r.client for r in run.records}):
-        recs = [r for r in run.records if r.client == client and not r.rejected]
+        recs = sorted(
+            (r for r in run.records if r.client == client and not r.rejected),
+            key=lambda r: r.arrival_s,
+        )
         arr = np.array([r.arrival_s for r in recs])
-        ttft = np.array([r.ttft_s if r.ttft_s is not None else t_end - r.arrival_s for r in recs])
-        by_client[client] = (arr, ttft)
-    for client, (arr, ttft) in by_client.items():
-        order = np.argsort(arr, kind="stable")
-        arr, ttft = arr[order], ttft[order]
-        csum = np.concatenate([[0.0], np.cumsum(ttft)])
+        served = np.array([r.ttft_s is not None for r in recs], dtype=float)
+        ttft = np.array([r.ttft_s if r.ttft_s is not None else 0.0 for r in recs])
+        csum_t = np.concatenate([[0.0], np.cumsum(ttft)])
+        csum_n = np.concatenate([[0.0], np.cumsum(served)])
         lo = np.searchsorted(arr, ends - window_s, side="left")
         hi = np.searchsorted(arr, ends, side="left")
-        count = hi - lo
+        total, n_served = hi - lo, csum_n[hi] - csum_n[lo]
         with np.errstate(invalid="ignore", divide="ignore"):
-            out[client] = np.where(count > 0, (csum[hi] - csum[lo]) / count, np.nan)
+            mean = (csum_t[hi] - csum_t[lo]) / n_served
+        out[client] = np.where((total > 0) & (n_served >= 0.5 * total), mean, np.nan)
     return ends, out
 
 
