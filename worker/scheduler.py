@@ -44,6 +44,12 @@ class SchedulerConfig:
     new_token_ratio_decay_steps: int = 600
     clip_max_new_tokens: int = 4096
     retract_decode_steps: int = 20
+    # While admission is blocked (the last walk stopped for lack of room), re-walk the queue
+    # every k decode steps even if nothing finished. 0 = SGLang's `batch_is_full`: wait for a
+    # finish, retraction or arrival. A fair policy's order shifts with every charged token,
+    # so k = 1 admits the least-served client's request the first step it fits, at the cost
+    # of an O(waiting) walk per step.
+    recheck_blocked_every: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size", "clip_max_new_tokens"):
@@ -104,6 +110,9 @@ class Scheduler:
         # slots, so skip walking (O(waiting)) until a request finishes, is retracted or
         # arrives. Decode steps run meanwhile, so this never idles the worker.
         self._admission_blocked = False
+        self._blocked_decode_steps = 0
+        # Requests whose prefill is in the batch between step() and apply().
+        self._in_batch: tuple[Request, ...] = ()
 
     # ------------------------------------------------------------ SchedulerView
 
@@ -159,6 +168,9 @@ class Scheduler:
     def step(self, now: float) -> Batch | None:
         """The next batch to run, or None when there is nothing to do."""
         self._now = now
+        every = self.config.recheck_blocked_every
+        if self._admission_blocked and every and self._blocked_decode_steps >= every:
+            self._admission_blocked = False
         if self.chunked is not None or (self.waiting and not self._admission_blocked):
             batch = self._schedule_prefill()
             if batch is not None:
@@ -169,6 +181,9 @@ class Scheduler:
             self._ensure_decode_memory()
             for req in self.running:
                 self.kv.allocate(req, 1)
+            self._blocked_decode_steps = (
+                self._blocked_decode_steps + 1 if self._admission_blocked else 0
+            )
             self.stats.num_decode_steps += 1
             return Batch(decode=tuple(self.running))
         self.new_token_ratio = self.config.init_new_token_ratio

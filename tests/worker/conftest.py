@@ -55,9 +55,8 @@ def assert_kv_conserved(scheduler: Scheduler) -> KVUsage:
 def assert_in_flight_consistent(scheduler: Scheduler, batch: Batch) -> None:
     """Between ``step`` and ``apply``: who holds a prefix handle, and where everyone is.
 
-    ``Scheduler.check_invariants`` only holds once a batch is applied (requests admitted by
-    the batch are in neither ``running`` nor ``chunked`` yet), so this states the mid-step
-    equation: handles == running + chunked + requests whose prompt this batch completes.
+    Stated from the batch, independently of the scheduler's own bookkeeping: handles ==
+    running + chunked + every request this batch prefills.
     """
     in_flight = {id(r) for r in scheduler.running}
     if scheduler.chunked is not None:
@@ -66,9 +65,23 @@ def assert_in_flight_consistent(scheduler: Scheduler, batch: Batch) -> None:
     assert in_flight == {id(r) for r in scheduler._handles}, "prefix handles leaked or missing"
     waiting = {id(r) for r in scheduler.waiting}
     assert not waiting & in_flight, "a request is both waiting and scheduled"
+    assert_waiting_in_arrival_order(scheduler)
     for req in scheduler.running:
         held = scheduler.kv.allocator.held(req)
         assert held >= 1, f"{req} runs without a private KV slot"
+
+
+def assert_prefix_lens_fresh(scheduler: Scheduler) -> None:
+    """What policies are told is cached (memoized across steps) equals a fresh tree match."""
+    for req in scheduler.waiting:
+        fresh = scheduler.kv.match_len(req.all_ids())
+        assert scheduler.prefix_len(req) == fresh, f"{req}: stale prefix_len, tree says {fresh}"
+
+
+def assert_waiting_in_arrival_order(scheduler: Scheduler) -> None:
+    """The waiting queue stays sorted by arrival, retracted requests included."""
+    keys = [r.arrival_key() for r in scheduler.waiting]
+    assert keys == sorted(keys), "waiting queue out of arrival order"
 
 
 @dataclass
@@ -92,10 +105,12 @@ def drive(
     before_step: Callable[[Scheduler, float], None] | None = None,
     max_steps: int = 200_000,
 ) -> Trace:
-    """Run ``requests`` to completion in virtual time, checking conservation at every state.
+    """Run ``requests`` to completion in virtual time, checking invariants at every state.
 
-    Arrivals that land during a step join at its end (as in ``simulate``). When the scheduler
-    idles it must have nothing at all to do; the clock then jumps to the next arrival.
+    After every ``step`` and every ``apply``: KV conservation and ``check_invariants``; before
+    every step: the waiting queue's prefix lengths are fresh. Arrivals that land during a step
+    join at its end (as in ``simulate``). When the scheduler idles it must have nothing at all
+    to do; the clock then jumps to the next arrival.
     """
     arrivals = sorted(requests, key=Request.arrival_key)
     trace = Trace()
@@ -104,6 +119,7 @@ def drive(
         while i < len(arrivals) and arrivals[i].arrival_s <= now:
             scheduler.add_request(arrivals[i], arrivals[i].arrival_s)
             i += 1
+        assert_prefix_lens_fresh(scheduler)
         if before_step is not None:
             before_step(scheduler, now)
         batch = scheduler.step(now)
@@ -119,6 +135,7 @@ def drive(
             continue
         assert_kv_conserved(scheduler)
         assert_in_flight_consistent(scheduler, batch)
+        scheduler.check_invariants()
         if after_step is not None:
             after_step(scheduler, batch, now)
         trace.steps.append((now, batch))
@@ -127,6 +144,7 @@ def drive(
         scheduler.apply(result, now)
         assert_kv_conserved(scheduler)
         scheduler.check_invariants()
+        assert_waiting_in_arrival_order(scheduler)
         if after_apply is not None:
             after_apply(scheduler, batch, now)
     raise AssertionError(f"no completion within {max_steps} steps")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sgl_fair.policies.base import Policy
 from sgl_fair.records import RequestRecord
 from sgl_fair.request import Request
+from sgl_fair.worker.engine import Engine
 from sgl_fair.worker.kv.prefix_cache import PrefixKVCache
 from sgl_fair.worker.kv.token import TokenAllocator
 from sgl_fair.worker.scheduler import RunLog, Scheduler, SchedulerConfig, SchedulerStats
@@ -60,7 +61,7 @@ def simulate(
     requests: Sequence[Request],
     *,
     scheduler: Scheduler,
-    engine: SimEngine,
+    engine: Engine,
     until_s: float | None = None,
     check_every: int = 0,
 ) -> SimResult:
@@ -73,6 +74,7 @@ def simulate(
     now = 0.0
     i, n = 0, len(arrivals)
     num_steps = 0
+    busy_s = 0.0
     while True:
         while i < n and arrivals[i].arrival_s <= now:
             scheduler.add_request(arrivals[i], arrivals[i].arrival_s)
@@ -87,6 +89,7 @@ def simulate(
             break
         result = engine.run(batch)
         now += result.duration_s
+        busy_s += result.duration_s
         scheduler.apply(result, now)
         num_steps += 1
         if check_every and num_steps % check_every == 0:
@@ -99,7 +102,7 @@ def simulate(
         submitted=arrivals[:i],
         t_end_s=now,
         wall_s=time.perf_counter() - wall0,
-        busy_s=engine.busy_s,
+        busy_s=busy_s,
         stats=scheduler.stats,
         kv_capacity_tokens=scheduler.kv.capacity_tokens,
         unfinished=unfinished + (n - i),
