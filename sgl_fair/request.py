@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 ClientId = str
 DEFAULT_CLIENT: ClientId = "default"
@@ -61,6 +61,10 @@ class Request:
     interaction_id: str | None = None
     app: str | None = None
     stage: int = 0
+    # Workload provenance: the prompt starts with `group_prefix_len` tokens shared by every
+    # request of `prefix_group` (what a trace line says; the scheduler never reads it).
+    prefix_group: str | None = None
+    group_prefix_len: int | None = None
 
     # ---- scheduler bookkeeping (below this line nothing is set by the submitter) ----
     phase: Phase = Phase.WAITING
@@ -91,6 +95,10 @@ class Request:
             raise ValueError(f"request {self.rid!r}: output_len must be >= 1")
         if self.max_new_tokens < self.output_len:
             raise ValueError(f"request {self.rid!r}: max_new_tokens < output_len")
+
+    def unscheduled_copy(self) -> Request:
+        """The request as submitted, with fresh bookkeeping (replay one workload many times)."""
+        return Request(**{name: getattr(self, name) for name in SUBMITTED_FIELDS})
 
     @property
     def input_len(self) -> int:
@@ -128,3 +136,9 @@ class Request:
             f"Request({self.rid!r}, client={self.client!r}, in={self.input_len}, "
             f"out={len(self.output_ids)}/{self.output_len}, {self.phase.value})"
         )
+
+
+# The fields a submitter sets; everything after them is the scheduler's bookkeeping.
+SUBMITTED_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(Request)[: [f.name for f in fields(Request)].index("phase")]
+)

@@ -22,7 +22,6 @@ are allocated in ``step`` so ``apply`` never fails.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sgl_fair.policies.base import Policy, Rejection
@@ -417,6 +416,3 @@ class Scheduler:
         for r in self.running:
             # A running request holds KV for every token but the one it will feed next.
             assert r.num_computed == r.seq_len - 1, f"{r}: computed {r.num_computed}"
-
-    def queue_snapshot(self) -> Sequence[Request]:
-        return tuple(self.waiting)

@@ -153,23 +153,7 @@ def run_policy(
 
 def fresh_copy(requests: Sequence[Request]) -> list[Request]:
     """Unscheduled copies: each policy must see the same, untouched workload."""
-    return [
-        Request(
-            r.rid,
-            r.client,
-            r.input_ids,
-            r.output_len,
-            r.arrival_s,
-            max_new_tokens=r.max_new_tokens,
-            service_class=r.service_class,
-            ttft_slo_s=r.ttft_slo_s,
-            tpot_slo_s=r.tpot_slo_s,
-            interaction_id=r.interaction_id,
-            app=r.app,
-            stage=r.stage,
-        )
-        for r in requests
-    ]
+    return [r.unscheduled_copy() for r in requests]
 
 
 def run_experiment(exp: Experiment, *, quick: bool = False, seed: int = 0) -> ExperimentResult:

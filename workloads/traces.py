@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import os
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
@@ -247,10 +246,6 @@ def _replace_rid(rec: TraceRecord, rid: str) -> TraceRecord:
 # ---------------------------------------------------------------------------------------------
 # Records -> requests (token ids)
 
-# Where each materialized request's prompt came from, so save_trace can write the group back.
-# Request has no prefix_group field; this map stands in for one without touching Request.
-_PREFIX_ORIGIN: weakref.WeakKeyDictionary[Request, tuple[str, int]] = weakref.WeakKeyDictionary()
-
 
 def _check_seed(seed: int, vocab_size: int) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -356,16 +351,16 @@ def _build(
             interaction_id=rec.interaction_id,
             app=rec.app,
             stage=rec.stage,
+            prefix_group=rec.prefix_group,
+            group_prefix_len=p if rec.prefix_group is not None else None,
         )
-        if rec.prefix_group is not None:
-            _PREFIX_ORIGIN[req] = (rec.prefix_group, p)
         out.append(req)
     return out
 
 
 def record_of(req: Request) -> TraceRecord:
-    """The trace record a request replays from (prefix group known if we made the request)."""
-    group, prefix_len = _PREFIX_ORIGIN.get(req, (None, None))
+    """The trace record a request replays from."""
+    group, prefix_len = req.prefix_group, req.group_prefix_len
     return TraceRecord(
         arrival_s=req.arrival_s,
         client=req.client,

@@ -19,14 +19,12 @@ class SimEngine:
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self._token_ids = itertools.count(SYNTHETIC_TOKEN_BASE)
-        self.busy_s = 0.0
 
     def run(self, batch: Batch) -> StepResult:
         duration = self.cost_model.step_time(
             prefill_chunks=[(c.num_tokens, c.start) for c in batch.prefill],
             decode_context_lens=[r.seq_len for r in batch.decode],
         )
-        self.busy_s += duration
         n = sum(1 for c in batch.prefill if c.last) + len(batch.decode)
         tokens = [next(self._token_ids) for _ in range(n)]
         return StepResult(batch, duration, tokens)
