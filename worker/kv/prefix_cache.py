@@ -42,6 +42,19 @@ class PrefixKVCache:
         self.allocator = allocator
         self.tree = tree if tree is not None else RadixTree()
         self.num_evicted_tokens = 0
+        # Evicted blocks ``(path, start)`` not yet reported; None = nobody listens (a single
+        # simulated worker). A worker behind a router drains it with ``drain_evicted()``.
+        self._evicted: list[tuple[tuple[int, ...], int]] | None = None
+
+    def record_evictions(self) -> None:
+        """Start remembering evicted blocks for ``drain_evicted`` (router sync)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def drain_evicted(self) -> list[tuple[tuple[int, ...], int]]:
+        """Blocks evicted since the last call, oldest first: ``path[start:]`` is gone."""
+        out, self._evicted = self._evicted or [], ([] if self._evicted is not None else None)
+        return out
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,7 +95,10 @@ class PrefixKVCache:
         self.allocator.allocate(owner, num_tokens)
 
     def _evict(self, num_tokens: int) -> None:
-        freed = sum(len(path) - start for path, start in self.tree.evict(num_tokens))
+        blocks = self.tree.evict(num_tokens)
+        freed = sum(len(path) - start for path, start in blocks)
+        if self._evicted is not None:
+            self._evicted.extend(blocks)
         if freed:
             self.allocator.free(CACHE, freed)
             self.num_evicted_tokens += freed
