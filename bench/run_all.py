@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_policy_step  # noqa: E402
+import bench_router  # noqa: E402
 import bench_sim_speed  # noqa: E402
 
 
@@ -34,6 +35,7 @@ def main() -> None:
         "machine": machine(),
         "sim_speed": bench_sim_speed.main(),
         "policy_step": bench_policy_step.main(),
+        "router": bench_router.main(),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)

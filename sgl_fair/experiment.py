@@ -2,6 +2,8 @@
 
     python -m sgl_fair.experiment list
     python -m sgl_fair.experiment run NAME [--quick] [--out DIR] [--json] [--seed N]
+        [--dp N] [--router P] [--local P] [--workload W] [--scenario s1|s2|none]
+        [--gpu G] [--model M] [--jobs N]          (flags: cluster experiments only)
     python -m sgl_fair.experiment replay --trace FILE --policy P
         [--gpu G --model M --tp N --kv-tokens N --policy-opt KEY=VALUE ...] [--json]
 
@@ -43,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=None, help="output folder (default runs/NAME)")
     run.add_argument("--json", action="store_true", help="print results JSON on stdout")
     run.add_argument("--seed", type=int, default=0)
+    cluster = run.add_argument_group("cluster experiments (router + N workers)")
+    cluster.add_argument("--dp", type=int, default=None, help="number of workers (GPUs)")
+    cluster.add_argument("--router", default=None, help="router policy, e.g. d2lpm")
+    cluster.add_argument("--local", default=None, help="worker policy, e.g. dlpm")
+    cluster.add_argument("--workload", default=None, help="tot | judge | longqa | chat | mixed")
+    cluster.add_argument("--scenario", default=None, help="s1 | s2 | none")
+    cluster.add_argument("--gpu", default=None)
+    cluster.add_argument("--model", default=None)
+    cluster.add_argument("--jobs", type=int, default=None, help="processes (default: CPUs)")
 
     replay = sub.add_parser("replay", help="replay a JSONL trace through one simulated worker")
     replay.add_argument("--trace", type=Path, required=True)
@@ -63,19 +74,33 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- commands
 
 
+_CLUSTER_FLAGS = ("dp", "router", "local", "workload", "scenario", "gpu", "model", "jobs")
+
+
 def cmd_list() -> int:
+    from sgl_fair.workloads.cluster_experiments import EXPERIMENTS as CLUSTER
     from sgl_fair.workloads.experiments import EXPERIMENTS
 
-    width = max(map(len, EXPERIMENTS))
-    for exp in EXPERIMENTS.values():
+    everything = [*EXPERIMENTS.values(), *CLUSTER.values()]
+    width = max(len(e.name) for e in everything)
+    for exp in everything:
         print(f"{exp.name:<{width}}  {exp.figure:<12} {exp.description}")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sgl_fair.workloads.experiments import get_experiment, run_experiment
+    from sgl_fair.workloads.cluster_experiments import EXPERIMENTS as CLUSTER
+    from sgl_fair.workloads.experiments import EXPERIMENTS, get_experiment, run_experiment
     from sgl_fair.workloads.report import write_outputs
 
+    if args.name in CLUSTER:
+        return cmd_run_cluster(args)
+    if args.name not in EXPERIMENTS:
+        names = ", ".join([*EXPERIMENTS, *CLUSTER])
+        raise UsageError(f"unknown experiment {args.name!r} (known: {names})")
+    given = [f"--{f}" for f in _CLUSTER_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: only for cluster experiments, not {args.name}")
     exp = _user_value(get_experiment, args.name)
     result = run_experiment(exp, quick=args.quick, seed=args.seed)
     out = args.out or Path("runs") / exp.name
@@ -90,6 +115,80 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  [{mark}] {claim.text} — {claim.detail}")
         print(f"report: {paths['report']}  (results.json and plots alongside)")
     return 0
+
+
+def cmd_run_cluster(args: argparse.Namespace) -> int:
+    from sgl_fair.policies import policy_names
+    from sgl_fair.router import router_policy_names
+    from sgl_fair.worker.sim.hardware import get_gpu, get_model
+    from sgl_fair.workloads.cluster_experiments import (
+        EXPERIMENTS,
+        Overrides,
+        run_cluster_experiment,
+    )
+    from sgl_fair.workloads.cluster_report import table, write_cluster_outputs
+    from sgl_fair.workloads.programs import WORKLOADS
+
+    if args.dp is not None and not 1 <= args.dp <= 64:
+        raise UsageError(f"--dp must be between 1 and 64 (got {args.dp})")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1 (got {args.jobs})")
+    if args.router is not None and args.router not in router_policy_names():
+        raise UsageError(
+            f"--router: unknown policy {args.router!r} (known: {', '.join(router_policy_names())})"
+        )
+    if args.local is not None and args.local not in policy_names():
+        raise UsageError(
+            f"--local: unknown policy {args.local!r} (known: {', '.join(policy_names())})"
+        )
+    if args.workload is not None and args.workload not in WORKLOADS:
+        raise UsageError(f"--workload: unknown {args.workload!r} (known: {', '.join(WORKLOADS)})")
+    if args.scenario is not None and args.scenario not in ("s1", "s2", "none"):
+        raise UsageError(f"--scenario must be s1, s2 or none (got {args.scenario!r})")
+    if args.gpu is not None:
+        _user_value(get_gpu, args.gpu)
+    if args.model is not None:
+        _user_value(get_model, args.model)
+    exp = EXPERIMENTS[args.name]
+    ov = Overrides(
+        dp=args.dp,
+        router=args.router,
+        local=args.local,
+        workload=args.workload,
+        scenario=args.scenario,
+        gpu=args.gpu,
+        model=args.model,
+    )
+    progress = None if args.json else _progress_printer(exp.name)
+    result = _user_value(
+        lambda: run_cluster_experiment(
+            exp, quick=args.quick, seed=args.seed, overrides=ov, jobs=args.jobs, progress=progress
+        )
+    )
+    out = args.out or Path("runs") / exp.name
+    paths = write_cluster_outputs(result, out)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        header, body = table(result.rows)
+        _print_rows(f"{exp.name} ({exp.figure}) — {exp.description}", header, body)
+        for claim in result.claims:
+            mark = "PASS" if claim.passed else "FAIL"
+            print(f"  [{mark}] {claim.text} — {claim.detail}")
+        print(f"report: {paths['report']}  (results.json and plots alongside)")
+    return 0
+
+
+def _progress_printer(name: str):
+    def show(done: int, total: int, row: dict) -> None:
+        print(
+            f"  [{done}/{total}] {row['policy']} dp={row['dp']} {row['workload']} "
+            f"{row['scenario'] or ''} ({row['sim_wall_s']:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -175,12 +274,16 @@ def _coerce(raw: str) -> Any:
 
 
 def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     from sgl_fair.workloads.report import table_rows
 
     header, body = table_rows(rows)
+    _print_rows(title, header, body)
+
+
+def _print_rows(title: str, header: list[str], body: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left")
     for i, col in enumerate(header):
         table.add_column(col, justify="left" if i == 0 else "right")

@@ -29,7 +29,7 @@ deterministic in tests and in the simulator.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import chain
 from typing import NamedTuple
 
@@ -92,6 +92,14 @@ def _common_len(key: Tokens, tokens: Tokens, start: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+class OwnersMatch(NamedTuple):
+    length: int  # number of leading tokens matched, owners or not
+    node: Node  # deepest node whose whole key lies inside the match (root if none)
+    owner_lens: dict[Hashable, int]  # per owner holding > 0 tokens: how many it holds
+    node_len: int  # tokens from the root to the end of `node`'s key
+    version: int  # the tree's shape stamp when matched (see RadixTree.insert_matched)
 
 
 class MatchMemo(NamedTuple):
@@ -162,6 +170,37 @@ class RadixTree:
             node, pos = child, end
         return MatchResult(pos, node)
 
+    def match_owners(self, tokens: Sequence[int], *, touch: bool = True) -> OwnersMatch:
+        """``match`` plus, in the same walk, every owner's matched length.
+
+        ``owner_lens[o] == match_len(tokens, owner=o)`` for every owner holding at least one
+        token of the prefix. Owners are downward-closed, so an owner's length is the depth
+        where it last appears along the path; a match ending inside an edge credits the
+        partial tokens to that edge's owners (they hold the whole edge).
+        """
+        tokens = tuple(tokens)  # no copy when given a tuple
+        n = len(tokens)
+        node, pos = self.root, 0
+        tick = self._tick() if touch else 0
+        owner_lens: dict[Hashable, int] = {}
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            key = child.key
+            end = pos + len(key)
+            if tokens[pos:end] != key:  # the match ends inside this edge
+                length = pos + _common_len(key, tokens, pos)
+                for owner in child.owners:
+                    owner_lens[owner] = length
+                return OwnersMatch(length, node, owner_lens, pos, self._version)
+            if touch:
+                child.last_access = tick
+            for owner in child.owners:
+                owner_lens[owner] = end
+            node, pos = child, end
+        return OwnersMatch(pos, node, owner_lens, pos, self._version)
+
     def match_len(self, tokens: Sequence[int], *, owner: Hashable | None = None) -> int:
         """``match(tokens, owner=owner, touch=False).length``."""
         return self.match(tokens, owner=owner, touch=False).length
@@ -204,6 +243,43 @@ class RadixTree:
             node, pos = child, end
         return InsertResult(n, node, 0)
 
+    def insert_matched(
+        self, tokens: Sequence[int], match: OwnersMatch, *, owner: Hashable | None = None
+    ) -> InsertResult:
+        """``insert(tokens, owner=owner)`` reusing ``match = match_owners(tokens)``'s walk.
+
+        The matched path is found again from ``match.node`` through parent pointers, with no
+        token comparisons. Valid while the tree's shape is unchanged since the match (every
+        leaf added, edge split or node removed moves ``version``); otherwise this is a
+        plain ``insert``.
+        """
+        tokens = tuple(tokens)
+        if match.version != self._version:
+            return self.insert(tokens, owner=owner)
+        n = len(tokens)
+        tick = self._tick()
+        node, pos = match.node, match.node_len
+        above = node
+        while above is not self.root:
+            above.last_access = tick
+            if owner is not None:
+                above.owners.add(owner)
+            above = above.parent
+        if match.length > pos:
+            # The match ended inside the edge below `node`, short of its end: cut it there
+            # (the rest of `tokens`, if any, diverges at that point).
+            child = self._split(node.children[tokens[pos]], match.length - pos)
+            child.last_access = tick
+            if owner is not None:
+                child.owners.add(owner)
+            node, pos = child, match.length
+        if pos == n:
+            return InsertResult(n, node, 0)
+        leaf = self._add_leaf(node, tokens[pos:], tick)  # no child starts with tokens[pos]
+        if owner is not None:
+            leaf.owners.add(owner)
+        return InsertResult(pos, leaf, n - pos)
+
     def lock(self, node: Node) -> None:
         """Pin ``node`` and its ancestors against eviction (SGLang's inc_lock_ref)."""
         self._check_attached(node)
@@ -234,6 +310,22 @@ class RadixTree:
         the offset of its key within that path, so ``path[start:]`` are the dropped tokens.
         """
         evicted: list[tuple[Tokens, int]] = []
+
+        def report(node: Node) -> None:
+            path = self._path(node)
+            evicted.append((path, len(path) - len(node.key)))
+
+        self._evict_lru(num_tokens, report)
+        return evicted
+
+    def discard_lru(self, num_tokens: int) -> int:
+        """``evict`` for a caller that needs no paths (building them dominates its cost).
+
+        Returns the number of tokens freed.
+        """
+        return self._evict_lru(num_tokens, None)
+
+    def _evict_lru(self, num_tokens: int, report: Callable[[Node], None] | None) -> int:
         num_freed = 0
         heap = self._heap
         while num_freed < num_tokens and heap:
@@ -244,11 +336,11 @@ class RadixTree:
             if last_access != node.last_access:
                 self._push(node)  # touched since it was pushed: requeue at its real time
                 continue
-            path = self._path(node)
-            evicted.append((path, len(path) - len(node.key)))
+            if report is not None:
+                report(node)
             num_freed += len(node.key)
             self._remove_leaf(node)
-        return evicted
+        return num_freed
 
     def remove_owner(self, tokens: Sequence[int], owner: Hashable, *, from_len: int = 0) -> int:
         """Drop ``owner`` from every node covering ``tokens[from_len:]`` and below.

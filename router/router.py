@@ -1,0 +1,215 @@
+"""The router core: dispatch decisions and the soft state behind them, with no clock of its own.
+
+The simulator and the live server drive the same object; time is passed in::
+
+    router.dispatch(req, now) -> Dispatch    match → policy.select → record → policy hook
+    router.handle(msg, now)                  Tokens / Finished / Evicted / Load, as they come
+    router.remove_worker(u) -> [rid, ...]    a worker died: its in-flight requests, to retry
+    router.add_worker(u)                     a worker (re)joined
+
+State: the global tree (which worker holds which prefix), each worker's queue length as the
+router sees it (dispatched − finished) and the requests in flight. Messages arrive late and
+may be stale — a ``Finished`` for a request whose worker was removed, an ``Evicted`` for a
+path the tree never had — and are then ignored (and counted in ``stats``), never an error.
+
+Ordering (assuming each worker's messages arrive in the order it sent them): once an
+``Evicted`` block ``(path, start)`` from worker u is handled, the tree no longer credits u
+with any token of ``path`` at or past ``start`` until a later dispatch to u (or a later
+``Finished`` from u) puts it back. A ``Finished`` stamped before the latest eviction report
+from its worker does not re-insert its tokens: they may be among those evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
+from sgl_fair.request import ClientId, Request
+from sgl_fair.router.global_tree import GlobalTree
+from sgl_fair.router.policies.base import RouterPolicy
+
+
+@dataclass
+class WorkerStats:
+    """What the router did with / heard from one worker (counters only)."""
+
+    num_dispatched: int = 0
+    num_finished: int = 0  # Finished messages handled, ok or not
+    num_failed: int = 0  # … of which rejected or aborted
+    num_evicted_blocks: int = 0
+    num_evicted_tokens: int = 0  # tokens the tree pruned because of eviction reports
+    num_output_tokens: int = 0  # from Tokens messages
+    num_stale: int = 0  # messages ignored: unknown request, or from a dead worker
+
+
+class Router:
+    """Implements ``RouterView`` for its policy (``now``, ``workers``, ``queue_len``, ``tree``)."""
+
+    def __init__(
+        self,
+        policy: RouterPolicy,
+        num_workers: int,
+        *,
+        insert_outputs: bool = True,
+        max_tree_tokens: int | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
+        if max_tree_tokens is not None and max_tree_tokens < 0:
+            raise ValueError(f"max_tree_tokens must be >= 0 (got {max_tree_tokens})")
+        self.policy = policy
+        self.tree = GlobalTree()
+        self.insert_outputs = insert_outputs
+        self.max_tree_tokens = max_tree_tokens
+        self.now = 0.0
+        self.inflight: dict[str, tuple[int, ClientId]] = {}  # rid -> (worker, client)
+        self.stats: dict[int, WorkerStats] = {u: WorkerStats() for u in range(num_workers)}
+        self._queue_len: dict[int, int] = dict.fromkeys(range(num_workers), 0)
+        self._workers: tuple[int, ...] = tuple(range(num_workers))
+        self._loads: dict[int, Load] = {}
+        self._evicted_s: dict[int, float] = {}  # latest Evicted.t_s per worker
+
+    # ---- RouterView ------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        """Alive worker ids, ascending."""
+        return self._workers
+
+    def queue_len(self, worker: int) -> int:
+        return self._queue_len.get(worker, 0)
+
+    def load(self, worker: int) -> Load | None:
+        """The most recent ``Load`` report from ``worker`` (by its timestamp), if any."""
+        return self._loads.get(worker)
+
+    # ---- dispatch --------------------------------------------------------------------------
+
+    def dispatch(self, req: Request, now: float) -> Dispatch:
+        """Choose a worker for ``req`` and record it; raises RuntimeError if none is alive."""
+        if not self._workers:
+            raise RuntimeError(f"no worker alive to take request {req.rid!r}")
+        if req.rid in self.inflight:
+            raise ValueError(f"request {req.rid!r} is already in flight")
+        self.now = now
+        match = self.tree.match(req.input_ids)
+        worker = self.policy.select(req, match, self)
+        if worker not in self._queue_len:
+            raise RuntimeError(f"policy {self.policy.name!r} chose dead worker {worker}")
+        self.tree.insert(req.input_ids, worker)
+        self.policy.on_dispatched(req, worker, match, self)
+        self._queue_len[worker] += 1
+        self.inflight[req.rid] = (worker, req.client)
+        self.stats[worker].num_dispatched += 1
+        self._bound_tree()
+        return Dispatch(worker, req, now)
+
+    # ---- worker messages -------------------------------------------------------------------
+
+    def handle(self, msg: Tokens | Finished | Evicted | Load, now: float) -> None:
+        self.now = now
+        if isinstance(msg, Finished):
+            self._finished(msg)
+        elif isinstance(msg, Evicted):
+            self._evicted(msg)
+        elif isinstance(msg, Tokens):
+            self._stats(msg.worker).num_output_tokens += sum(len(ids) for _, ids in msg.items)
+        elif isinstance(msg, Load):
+            latest = self._loads.get(msg.worker)
+            if latest is None or msg.t_s >= latest.t_s:
+                self._loads[msg.worker] = msg
+        else:
+            raise TypeError(f"not a worker message: {msg!r}")
+
+    def _finished(self, msg: Finished) -> None:
+        stats = self._stats(msg.worker)
+        entry = self.inflight.get(msg.rid)
+        if entry is None or entry[0] != msg.worker or msg.worker not in self._queue_len:
+            stats.num_stale += 1  # its worker was removed (the rid was re-dispatched)
+            return
+        del self.inflight[msg.rid]
+        self._queue_len[msg.worker] -= 1
+        stats.num_finished += 1
+        if not msg.ok:
+            stats.num_failed += 1
+        self.policy.on_finished(msg, self)
+        if (
+            self.insert_outputs
+            and msg.ok
+            and msg.t_s >= self._evicted_s.get(msg.worker, float("-inf"))
+        ):
+            # The worker caches what it computed; a follow-up call's prompt is this
+            # prompt plus this output.
+            self.tree.insert(msg.input_ids + msg.output_ids, msg.worker)
+            self._bound_tree()
+
+    def _evicted(self, msg: Evicted) -> None:
+        stats = self._stats(msg.worker)
+        if msg.worker not in self._queue_len:
+            stats.num_stale += 1  # a dead worker holds nothing in the tree already
+            return
+        if msg.t_s > self._evicted_s.get(msg.worker, float("-inf")):
+            self._evicted_s[msg.worker] = msg.t_s
+        stats.num_evicted_blocks += len(msg.blocks)
+        for path, start in msg.blocks:
+            stats.num_evicted_tokens += self.tree.evicted(msg.worker, path, start)
+
+    def _bound_tree(self) -> None:
+        limit = self.max_tree_tokens
+        if limit is not None and self.tree.total_tokens > limit:
+            # Trim 1/256 below the limit: one trim per many inserts rather than a leaf or
+            # two on every dispatch (same work in total, off most decisions' path).
+            self.tree.trim(limit - limit // 256)
+
+    def _stats(self, worker: int) -> WorkerStats:
+        stats = self.stats.get(worker)
+        if stats is None:
+            stats = self.stats[worker] = WorkerStats()
+        return stats
+
+    # ---- membership ------------------------------------------------------------------------
+
+    def remove_worker(self, worker: int) -> list[str]:
+        """Mark ``worker`` dead and forget what it held; returns its in-flight rids.
+
+        The caller decides what to do with them (re-dispatch, or fail them to the client).
+        Removing a worker that is not alive returns ``[]``.
+        """
+        if worker not in self._queue_len:
+            return []
+        del self._queue_len[worker]
+        self._workers = tuple(sorted(self._queue_len))
+        self._loads.pop(worker, None)
+        self._evicted_s.pop(worker, None)
+        self.tree.remove_worker(worker)
+        self.policy.on_worker_removed(worker)
+        lost = [rid for rid, (u, _) in self.inflight.items() if u == worker]
+        for rid in lost:
+            del self.inflight[rid]
+        return lost
+
+    def add_worker(self, worker: int) -> None:
+        """(Re)join ``worker`` with an empty queue; a no-op if it is alive already."""
+        if worker < 0:
+            raise ValueError(f"worker ids are >= 0 (got {worker})")
+        if worker in self._queue_len:
+            return
+        self._queue_len[worker] = 0
+        self._workers = tuple(sorted(self._queue_len))
+        self._stats(worker)
+
+    # ---- invariants ------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.tree.check_invariants()
+        alive = set(self._queue_len)
+        assert self._workers == tuple(sorted(alive)), "workers tuple out of date"
+        dead_held = self.tree.workers() - alive
+        assert not dead_held, f"dead workers {sorted(dead_held)} still hold prefixes"
+        counts = dict.fromkeys(alive, 0)
+        for rid, (u, _) in self.inflight.items():
+            assert u in alive, f"request {rid!r} in flight on dead worker {u}"
+            counts[u] += 1
+        assert counts == self._queue_len, f"queue_len {self._queue_len} != in flight {counts}"
+        if self.max_tree_tokens is not None:
+            assert self.tree.total_tokens <= self.max_tree_tokens, "tree above max_tree_tokens"

@@ -1,0 +1,318 @@
+"""Cluster simulation: one router and N simulated workers in one virtual-time loop.
+
+The router (``sgl_fair.router.Router``) and each worker's ``Scheduler`` are the same
+objects the live system runs; they talk only through the message types of
+``sgl_fair.messages``, delivered after ``net_delay_s`` of virtual time::
+
+    client ──call──▶ router ──Dispatch──▶ worker ┐ steps: scheduler.step → engine.run
+       ▲               ▲◀──Tokens/Finished/Evicted/Load──┘       → scheduler.apply
+       └─ next calls ──┘  (programs are closed-loop: a call's children are issued when
+                           the client hears it finished)
+
+Everything is driven by one heap of timestamped events, so a run is deterministic
+given its inputs. A worker that receives a dispatch while idle wakes up at that
+instant (after every other event of the same instant, so simultaneous dispatches
+form one batch); dispatches that land during a step join the queue at the step's
+end, as in a live continuous-batching loop.
+
+The workload is a list of programs (``sgl_fair.workloads.programs.Program``: DAGs of
+calls, closed loop) and/or plain open-loop requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sgl_fair.messages import Dispatch, Evicted, Finished, FinishReason, Load, Tokens
+from sgl_fair.policies.base import Policy
+from sgl_fair.records import RequestRecord, ServiceEvent
+from sgl_fair.request import Phase, Request
+from sgl_fair.worker.engine import StepResult
+from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.runner import make_sim_worker
+
+
+class ProgramLike(Protocol):
+    """What the driver needs of a program (``sgl_fair.workloads.programs.Program``)."""
+
+    program_id: str
+    client: str
+    start_s: float
+
+    def start(self, now: float) -> list[Request]: ...
+
+    def on_finished(self, req: Request, now: float) -> list[Request]: ...
+
+    def on_failed(self, req: Request, now: float) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
+class RouterLike(Protocol):
+    def dispatch(self, req: Request, now: float) -> Dispatch: ...
+
+    def handle(self, msg: Any, now: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    dp: int = 4
+    gpu: str = "A100-80GB"
+    model: str = "Llama-3.1-8B"
+    tp: int | None = None
+    kv_tokens: int | None = None  # per worker; default: what the GPU's memory holds
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    net_delay_s: float = 0.0005  # one way, router <-> worker
+    load_interval_s: float = 0.1  # how often a worker reports Load
+
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1 (got {self.dp})")
+        if self.net_delay_s < 0:
+            raise ValueError(f"net_delay_s must be >= 0 (got {self.net_delay_s})")
+        if self.load_interval_s <= 0:
+            raise ValueError(f"load_interval_s must be > 0 (got {self.load_interval_s})")
+
+
+@dataclass
+class SimWorker:
+    """A simulated worker: its scheduler, engine, and what it has not reported yet."""
+
+    wid: int
+    scheduler: Scheduler
+    engine: Any
+    busy: bool = False
+    wake_pending: bool = False
+    inbox: list[tuple[Request, float]] = field(default_factory=list)
+    result: StepResult | None = None
+    reported: int = 0  # entries of scheduler.log.done already reported
+    last_load_s: float = float("-inf")
+    busy_s: float = 0.0
+    num_dispatched: int = 0
+
+
+@dataclass
+class ClusterResult:
+    workers: list[SimWorker]
+    submitted: list[Request]  # every call that reached the router, in dispatch order
+    programs: list[Any]
+    t_end_s: float
+    wall_s: float
+    router: Any
+    unfinished: int  # calls dispatched but not finished when the run stopped
+    unissued_programs: int  # programs that never started (run stopped first)
+
+    @property
+    def events(self) -> list[ServiceEvent]:
+        return [ev for w in self.workers for ev in w.scheduler.log.events]
+
+    def records(self) -> list[RequestRecord]:
+        return [RequestRecord.from_request(r) for r in self.submitted]
+
+    @property
+    def stats(self) -> list[SchedulerStats]:
+        return [w.scheduler.stats for w in self.workers]
+
+    @property
+    def busy_s(self) -> list[float]:
+        return [w.busy_s for w in self.workers]
+
+    @property
+    def speedup(self) -> float:
+        return self.t_end_s / self.wall_s if self.wall_s > 0 else float("inf")
+
+    def dispatch_counts(self) -> list[int]:
+        return [w.num_dispatched for w in self.workers]
+
+
+# Event kinds; events at one instant run in the order they were scheduled.
+_START, _CALL, _TO_WORKER, _TO_ROUTER, _STEP_DONE, _WAKE = range(6)
+
+
+def simulate_cluster(
+    *,
+    router: RouterLike,
+    local_policy: Callable[[int], Policy],
+    config: ClusterConfig,
+    programs: Sequence[ProgramLike] = (),
+    requests: Sequence[Request] = (),
+    until_s: float | None = None,
+    check_every: int = 0,
+    cost_model: CostModel | None = None,
+) -> ClusterResult:
+    """Run ``programs`` (closed loop) and ``requests`` (open loop) through the cluster.
+
+    Stops when nothing is left to do, or at virtual time ``until_s``. ``local_policy(w)``
+    builds worker ``w``'s policy. ``check_every=k`` checks every scheduler's and the
+    router's invariants every k events (tests).
+    """
+    cost_model = cost_model or CostModel.from_names(config.gpu, config.model, tp=config.tp)
+    workers: list[SimWorker] = []
+    for wid in range(config.dp):
+        sched, engine = make_sim_worker(
+            policy=local_policy(wid),
+            cost_model=cost_model,
+            kv_tokens=config.kv_tokens,
+            config=config.scheduler,
+        )
+        sched.kv.record_evictions()
+        workers.append(SimWorker(wid, sched, engine))
+    delay = config.net_delay_s
+    heap: list[tuple[float, int, int, Any]] = []
+    seq = itertools.count()
+
+    def push(t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(heap, (t, next(seq), kind, payload))
+
+    for prog in programs:
+        push(prog.start_s, _START, prog)
+    for req in requests:
+        push(req.arrival_s, _CALL, (None, req))
+
+    owner: dict[str, Any] = {}  # rid -> program (None for open-loop requests)
+    calls: dict[str, Request] = {}  # rid -> request, while in flight
+    submitted: list[Request] = []
+    wall0 = time.perf_counter()
+    now = 0.0
+    num_events = 0
+    started_programs = 0
+
+    def issue(prog: Any, new_calls: Iterable[Request], t: float) -> None:
+        for call in new_calls:
+            push(max(call.arrival_s, t), _CALL, (prog, call))
+
+    def report(w: SimWorker, t: float) -> None:
+        """Send what the worker's last step (or arrivals) produced to the router."""
+        sched = w.scheduler
+        done = sched.log.done
+        for req in done[w.reported :]:
+            if req.phase is Phase.REJECTED:
+                reason, error = FinishReason.REJECTED, req.reject_reason
+            else:
+                reason, error = FinishReason.LENGTH, None
+            msg = Finished(
+                w.wid,
+                t,
+                req.rid,
+                req.client,
+                reason,
+                req.input_ids,
+                tuple(req.output_ids),
+                req.first_prefix_len or 0,
+                error,
+            )
+            push(t + delay, _TO_ROUTER, msg)
+        w.reported = len(done)
+        blocks = sched.kv.drain_evicted()
+        if blocks:
+            push(t + delay, _TO_ROUTER, Evicted(w.wid, t, tuple(blocks)))
+        if t - w.last_load_s >= config.load_interval_s:
+            w.last_load_s = t
+            usage = sched.kv.usage()
+            load = Load(
+                w.wid,
+                t,
+                len(sched.waiting),
+                len(sched.running) + (sched.chunked is not None),
+                usage.locked + usage.private,
+                usage.cached,
+                sched.kv.capacity_tokens,
+            )
+            push(t + delay, _TO_ROUTER, load)
+
+    def run_step(w: SimWorker, t: float) -> None:
+        sched = w.scheduler
+        rejected = False
+        for req, t_in in w.inbox:
+            rejected |= sched.add_request(req, t_in) is not None
+        w.inbox.clear()
+        if rejected:
+            report(w, t)  # answer refusals now, not after the next step
+        batch = sched.step(t)
+        if batch is None:
+            w.busy = False
+            return
+        w.busy = True
+        w.result = w.engine.run(batch)
+        w.busy_s += w.result.duration_s
+        push(t + w.result.duration_s, _STEP_DONE, w)
+
+    while heap:
+        t, _, kind, payload = heap[0]
+        if until_s is not None and t > until_s:
+            now = until_s
+            break
+        heapq.heappop(heap)
+        now = t
+        if kind == _STEP_DONE:
+            w = payload
+            result, w.result = w.result, None
+            w.scheduler.apply(result, t)
+            items = tuple((r.rid, (r.output_ids[-1],)) for r in result.batch.sampling_requests())
+            if items:
+                push(t + delay, _TO_ROUTER, Tokens(w.wid, t, items))
+            report(w, t)
+            run_step(w, t)
+        elif kind == _TO_ROUTER:
+            router.handle(payload, t)
+            if isinstance(payload, Finished):
+                req = calls.pop(payload.rid, None)
+                prog = owner.pop(payload.rid, None)
+                if req is not None and prog is not None:
+                    if payload.ok:
+                        issue(prog, prog.on_finished(req, t), t)
+                    else:
+                        prog.on_failed(req, t)
+        elif kind == _TO_WORKER:
+            dispatch: Dispatch = payload
+            w = workers[dispatch.worker]
+            w.inbox.append((dispatch.req, t))
+            w.num_dispatched += 1
+            if not w.busy and not w.wake_pending:
+                w.wake_pending = True
+                push(t, _WAKE, w)
+        elif kind == _WAKE:
+            w = payload
+            w.wake_pending = False
+            if not w.busy:
+                run_step(w, t)
+        elif kind == _CALL:
+            prog, req = payload
+            owner[req.rid] = prog
+            calls[req.rid] = req
+            submitted.append(req)
+            dispatch = router.dispatch(req, t)
+            push(t + delay, _TO_WORKER, dispatch)
+        else:  # _START
+            started_programs += 1
+            issue(payload, payload.start(t), t)
+        num_events += 1
+        if check_every and num_events % check_every == 0:
+            _check(workers, router)
+    if check_every:
+        _check(workers, router)
+    return ClusterResult(
+        workers=workers,
+        submitted=submitted,
+        programs=list(programs),
+        t_end_s=now,
+        wall_s=time.perf_counter() - wall0,
+        router=router,
+        unfinished=len(calls),
+        unissued_programs=len(programs) - started_programs,
+    )
+
+
+def _check(workers: Sequence[SimWorker], router: Any) -> None:
+    for w in workers:
+        w.scheduler.check_invariants()
+    check = getattr(router, "check_invariants", None)
+    if check is not None:
+        check()

@@ -1,0 +1,250 @@
+"""One cluster run = one JSON row: router × local policy × dp × workload × scenario.
+
+``RunSpec`` names everything a run depends on (it is small and picklable, so sweeps run
+in worker processes); ``run_one`` builds the programs, the router and the workers,
+simulates, and returns the row. Rows carry the foundation experiments' fields
+(``metrics.summarize``) plus ``router``, ``local``, ``dp``, ``workload``, ``scenario``
+and the well-behaved clients' latency:
+
+* ``p50_well_behaved_s`` / ``p99_well_behaved_s`` — the mean over well-behaved clients of
+  each client's P50 / P99 program end-to-end latency (first call issued → last call
+  finished); for long-document QA, of its requests' TTFT (the paper's Fig. 7 metric).
+  Runs drain: arrivals stop at ``duration_s`` and the cluster runs until every program
+  finished (up to ``drain_factor × duration_s``); a program still unfinished then counts
+  with its age at the cut-off, a lower bound, and the row says how many there were.
+* ``jain`` is over client-perceived service (input + 2 × output tokens, the papers' service
+  rate); ``jain_actual`` over the GPU's actual work (extend + 2 × output tokens).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from sgl_fair import metrics
+from sgl_fair.cost import PrefixAwareTokens, WeightedTokens
+from sgl_fair.policies import make_policy
+from sgl_fair.records import RequestRecord
+from sgl_fair.router import Router, make_router_policy
+from sgl_fair.worker.scheduler import SchedulerConfig
+from sgl_fair.worker.sim.cluster import ClusterConfig, ClusterResult, simulate_cluster
+from sgl_fair.worker.sim.cost_model import CostModel
+
+from .programs import generate_programs, workload
+
+PERCEIVED = WeightedTokens()  # what clients are billed: input + 2 × output
+ACTUAL = PrefixAwareTokens()  # what the GPU did: extend + 2 × output
+
+
+@dataclass(frozen=True)
+class Combo:
+    """A router policy paired with a local (worker) policy."""
+
+    label: str
+    router: str
+    local: str
+    router_opts: Mapping[str, Any] = field(default_factory=dict)
+    local_opts: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    combo: Combo
+    dp: int
+    workload: str
+    scenario: str | None
+    duration_s: float
+    gpu: str = "A100-80GB"
+    model: str = "Llama-3.1-8B"
+    kv_tokens: int | None = None
+    num_clients: int = 4
+    rate_scale: float = 1.0
+    seed: int = 0
+    x: float | None = None  # the swept value this run stands for (plots)
+    series: bool = False  # also return per-client time series (timeline plots)
+    drain_factor: float = 20.0
+    net_delay_s: float = 0.0005
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def replace(self, **changes: Any) -> RunSpec:
+        return replace(self, **changes)
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    xs = [v for v in values if v is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+def program_latencies(result: ClusterResult) -> dict[str, list[float]]:
+    """Per client: each program's end-to-end latency (censored at the run's end if unfinished)."""
+    finish: dict[str, float] = {}
+    for r in result.submitted:
+        if r.finish_s is not None and r.interaction_id is not None:
+            finish[r.interaction_id] = max(finish.get(r.interaction_id, 0.0), r.finish_s)
+    out: dict[str, list[float]] = defaultdict(list)
+    for prog in result.programs:
+        if prog.start_s > result.t_end_s:
+            continue
+        end = finish.get(prog.program_id, result.t_end_s) if prog.done else result.t_end_s
+        out[prog.client].append(end - prog.start_s)
+    return out
+
+
+def well_behaved_latency(
+    result: ClusterResult,
+    records: Sequence[RequestRecord],
+    well_behaved: set[str],
+    *,
+    use_ttft: bool,
+) -> dict[str, float | None]:
+    if use_ttft:
+        by_client: dict[str, list[float]] = defaultdict(list)
+        for r in records:
+            if r.client in well_behaved and not r.rejected:
+                # Unserved requests count with their wait so far (a lower bound).
+                ttft = r.ttft_s if r.ttft_s is not None else result.t_end_s - r.arrival_s
+                by_client[r.client].append(ttft)
+    else:
+        lat = program_latencies(result)
+        by_client = {c: v for c, v in lat.items() if c in well_behaved}
+    p = {c: metrics.percentiles(v) for c, v in by_client.items()}
+    return {
+        "p50_well_behaved_s": _mean([q[50] for q in p.values()]),
+        "p99_well_behaved_s": _mean([q[99] for q in p.values()]),
+    }
+
+
+def _series(result: ClusterResult, records: Sequence[RequestRecord], t_end: float) -> dict:
+    """Per-client time series for timeline plots (JSON-able)."""
+    window = max(t_end / 40, 1.0)
+    step = window / 2
+    out: dict[str, Any] = {"window_s": window}
+    for name, cost in (("perceived", PERCEIVED), ("actual", ACTUAL)):
+        times, rates = metrics.service_rate_series(
+            result.events, cost, window_s=window, t_end=t_end, step_s=step
+        )
+        out["t"] = times.tolist()
+        out[name] = {c: v.tolist() for c, v in rates.items()}
+    # Response time: each finished call's end-to-end latency at its finish time.
+    resp: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in records:
+        if r.finish_s is not None:
+            resp[r.client].append((round(r.finish_s, 3), round(r.finish_s - r.arrival_s, 3)))
+    out["response"] = {c: sorted(v) for c, v in resp.items()}
+    return out
+
+
+def run_one(spec: RunSpec) -> dict[str, Any]:
+    """Simulate ``spec``; return its row (JSON-able)."""
+    clients = workload(
+        spec.workload,
+        spec.scenario,
+        dp=spec.dp,
+        num_clients=spec.num_clients,
+        rate_scale=spec.rate_scale,
+        duration_s=spec.duration_s,
+    )
+    programs = generate_programs(clients, spec.duration_s, seed=spec.seed)
+    combo = spec.combo
+    router = Router(make_router_policy(combo.router, **dict(combo.router_opts)), spec.dp)
+    config = ClusterConfig(
+        dp=spec.dp,
+        gpu=spec.gpu,
+        model=spec.model,
+        kv_tokens=spec.kv_tokens,
+        scheduler=spec.scheduler,
+        net_delay_s=spec.net_delay_s,
+    )
+    cost_model = CostModel.from_names(spec.gpu, spec.model)
+    local_opts = dict(combo.local_opts)
+    result = simulate_cluster(
+        router=router,
+        local_policy=lambda _w: make_policy(combo.local, **local_opts),
+        config=config,
+        programs=programs,
+        until_s=spec.duration_s * spec.drain_factor,
+        cost_model=cost_model,
+    )
+    records = result.records()
+    events = result.events
+    perceived = metrics.EventArrays.from_events(events, PERCEIVED)
+    summary = metrics.summarize(perceived, records, window_s=max(spec.duration_s / 10, 10.0))
+    actual = metrics.EventArrays.from_events(events, ACTUAL)
+    well = {c.client for c in clients if c.well_behaved}
+    interval = metrics.active_interval(records)
+    jain_actual = None
+    if interval is not None and interval[1] > interval[0]:
+        served = metrics.per_client_service(actual, t0=interval[0], t1=interval[1])
+        jain_actual = metrics.jain_index(served.get(c.client, 0.0) for c in clients)
+    row: dict[str, Any] = {
+        "policy": combo.label,
+        "router": combo.router,
+        "local": combo.local,
+        "router_opts": dict(combo.router_opts),
+        "local_opts": dict(combo.local_opts),
+        "dp": spec.dp,
+        "workload": spec.workload,
+        "scenario": spec.scenario,
+        "x": spec.x,
+        **well_behaved_latency(result, records, well, use_ttft=spec.workload == "longqa"),
+        **summary,
+        "jain_actual": jain_actual,
+        "misbehaving": sorted(c.client for c in clients if not c.well_behaved),
+        "num_programs": len(programs),
+        "num_calls": len(records),
+        "unfinished_calls": result.unfinished,
+        "makespan_s": result.t_end_s,
+        "dispatch_counts": result.dispatch_counts(),
+        "gpu_busy_frac": [
+            round(b / result.t_end_s, 3) if result.t_end_s else 0.0 for b in result.busy_s
+        ],
+        "num_retractions": sum(s.num_retractions for s in result.stats),
+        "gpu": spec.gpu,
+        "model": spec.model,
+        "kv_tokens": result.workers[0].scheduler.kv.capacity_tokens,
+        "duration_s": spec.duration_s,
+        "seed": spec.seed,
+        "sim_wall_s": round(result.wall_s, 3),
+    }
+    if spec.series:
+        row["series"] = _series(result, records, result.t_end_s)
+    return row
+
+
+def run_many(
+    specs: Sequence[RunSpec],
+    *,
+    jobs: int | None = None,
+    progress: Callable[[int, int, dict], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every spec (in ``jobs`` processes; default: one per CPU), rows in spec order."""
+    jobs = jobs or os.cpu_count() or 1
+    jobs = max(1, min(jobs, len(specs)))
+    rows: list[dict[str, Any] | None] = [None] * len(specs)
+    if jobs == 1:
+        for i, spec in enumerate(specs):
+            rows[i] = run_one(spec)
+            if progress:
+                progress(i + 1, len(specs), rows[i])
+        return rows  # type: ignore[return-value]
+    # Longest first (bigger dp, longer runs) so the pool's tail is short.
+    order = sorted(range(len(specs)), key=lambda i: -specs[i].dp * specs[i].duration_s)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_one, specs[i]): i for i in order}
+        for n, fut in enumerate(_as_completed(futures), 1):
+            rows[futures[fut]] = fut.result()
+            if progress:
+                progress(n, len(specs), rows[futures[fut]])
+    return rows  # type: ignore[return-value]
+
+
+def _as_completed(futures):
+    from concurrent.futures import as_completed
+
+    return as_completed(futures)

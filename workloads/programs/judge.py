@@ -1,0 +1,120 @@
+"""LLM-as-a-judge with branch-solve-merge over a synthetic article (the DLPM paper's §6.1).
+
+One call per evaluation dimension, then a merge call once *all* dimensions finished::
+
+    header + [extra] + article ─┬─ + dim_0 → judgement_0 ─┐
+                                ├─ + dim_1 → judgement_1 ─┼─▶ merge
+                                └─ …                      ┘
+
+    merge prompt = header + extra + article + dim_0 + judgement_0 + dim_1 + judgement_1
+                   + … + merge_instruction                       → verdict
+
+So every dimension call shares ``header + extra + article`` with the merge call, and the
+merge prompt extends dimension 0's prompt + judgement. Nodes ``"dim0"`` … and ``"merge"``;
+``stage`` 0 for dimensions, 1 for the merge. Calls per program: ``dimensions + 1``.
+
+Lengths (tokens), and why:
+
+* ``header_len`` 128: the judge's role and rubric ("act as an impartial judge … score 1–10"),
+  shared by all of a client's programs.
+* ``article_len`` Uniform(600, 1000): the brief's synthetic articles (a short news piece).
+* ``dimension_instruction_len`` Uniform(20, 40): "Evaluate the article's coherence …".
+* ``judgement_len`` Uniform(100, 200): a short justification and a score.
+* ``merge_instruction_len`` Uniform(30, 60), ``verdict_len`` Uniform(100, 200).
+* ``extra_prefix`` 0; the S2 misbehaver sets 600 (Tab. 3: "extra 600 tokens before each
+  article"), drawn per article (each article gets its own preamble).
+
+Per program (means): 2 dimensions: 3 calls, ~960-token dimension prompts, a ~1.3k-token merge
+prompt, 3.3k prompt tokens in all (1.1k new), 450 output tokens. 16 dimensions: 17 calls, a
+~3.9k-token merge prompt, 19.3k prompt tokens (4.0k new), 2.6k output tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..lengths import LengthDist, Uniform
+from .base import (
+    CallPlan,
+    Out,
+    Part,
+    Program,
+    check_int,
+    check_length,
+    draw_diverging,
+    draw_tokens,
+    program_rngs,
+    register_program,
+    sample_len,
+    sample_lens,
+    shared_tokens,
+)
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    dimensions: int = 2
+    extra_prefix: int = 0
+    header_len: int = 128
+    article_len: LengthDist | int = Uniform(600, 1000)
+    dimension_instruction_len: LengthDist | int = Uniform(20, 40)
+    judgement_len: LengthDist | int = Uniform(100, 200)
+    merge_instruction_len: LengthDist | int = Uniform(30, 60)
+    verdict_len: LengthDist | int = Uniform(100, 200)
+
+    def __post_init__(self) -> None:
+        check_int(self, "dimensions", minimum=1, maximum=1024)
+        check_int(self, "extra_prefix", minimum=0)
+        check_int(self, "header_len", minimum=0)
+        for name in (
+            "article_len",
+            "dimension_instruction_len",
+            "judgement_len",
+            "merge_instruction_len",
+            "verdict_len",
+        ):
+            check_length(self, name)
+
+
+@register_program("judge")
+class Judge(Program):
+    Config = JudgeConfig
+
+    def __init__(
+        self,
+        program_id: str,
+        client: str,
+        *,
+        start_s: float,
+        seed: int,
+        well_behaved: bool = True,
+        shared_seed: int = 0,
+        config: JudgeConfig | None = None,
+    ) -> None:
+        cfg = config if config is not None else JudgeConfig()
+        rng_len, rng_tok, rng_extra = program_rngs(seed, 3)
+        header = shared_tokens(self.kind, client, cfg.header_len, shared_seed=shared_seed)
+        extra = draw_tokens(rng_extra, cfg.extra_prefix)
+        context = header + extra + draw_tokens(rng_tok, sample_len(cfg.article_len, rng_len))
+        self.context_len = len(context)  # header + extra + article: what every call shares
+
+        n = cfg.dimensions
+        instrs = draw_diverging(rng_tok, sample_lens(cfg.dimension_instruction_len, n, rng_len))
+        judgement_lens = sample_lens(cfg.judgement_len, n, rng_len)
+        dims = [f"dim{i}" for i in range(n)]
+        calls = [
+            CallPlan(node, (), (context, instr), out_len)
+            for node, instr, out_len in zip(dims, instrs, judgement_lens, strict=True)
+        ]
+        merge_instr = draw_tokens(rng_tok, sample_len(cfg.merge_instruction_len, rng_len))
+        parts: list[Part] = [context]
+        for node, instr in zip(dims, instrs, strict=True):
+            parts += [instr, Out(node)]
+        parts.append(merge_instr)
+        calls.append(
+            CallPlan("merge", tuple(dims), tuple(parts), sample_len(cfg.verdict_len, rng_len))
+        )
+        super().__init__(
+            program_id, client, start_s=start_s, well_behaved=well_behaved, calls=calls
+        )
+        self.config = cfg
