@@ -11,6 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import bench_cluster_quality  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sim_speed  # noqa: E402
@@ -36,6 +37,7 @@ def main() -> None:
         "sim_speed": bench_sim_speed.main(),
         "policy_step": bench_policy_step.main(),
         "router": bench_router.main(),
+        "cluster_quality": bench_cluster_quality.main([]),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)

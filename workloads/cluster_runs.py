@@ -66,6 +66,7 @@ class RunSpec:
     num_clients: int = 4
     rate_scale: float = 1.0
     seed: int = 0
+    params: Mapping[str, Any] = field(default_factory=dict)  # program params for every client
     x: float | None = None  # the swept value this run stands for (plots)
     series: bool = False  # also return per-client time series (timeline plots)
     drain_factor: float = 20.0
@@ -150,6 +151,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         rate_scale=spec.rate_scale,
         duration_s=spec.duration_s,
     )
+    if spec.params:
+        clients = [replace(c, params={**c.params, **spec.params}) for c in clients]
     programs = generate_programs(clients, spec.duration_s, seed=spec.seed)
     combo = spec.combo
     router = Router(make_router_policy(combo.router, **dict(combo.router_opts)), spec.dp)

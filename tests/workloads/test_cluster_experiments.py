@@ -1,0 +1,151 @@
+"""Cluster experiments: the registry, CLI flags (overrides), rows, claims and outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from sgl_fair.experiment import main
+from sgl_fair.workloads.cluster_experiments import (
+    D2LPM,
+    EXPERIMENTS,
+    RR_LPM,
+    Overrides,
+    apply_overrides,
+    run_cluster_experiment,
+)
+from sgl_fair.workloads.cluster_runs import RunSpec, run_one
+
+ROW_FIELDS = {
+    "router",
+    "local",
+    "dp",
+    "workload",
+    "scenario",
+    "p50_well_behaved_s",
+    "p99_well_behaved_s",
+    "throughput_tok_s",
+    "jain",
+    "jain_actual",
+    "cache_hit_rate",
+}
+
+
+def test_every_paper_figure_is_registered():
+    names = {"dlpm-quantum", "d2lpm-grid", "d2lpm-timeline", "d2lpm-quantum"}
+    names |= {"dlpm-clients", "dlpm-mixed", "chat-flood", "cluster"}
+    assert names <= set(EXPERIMENTS)
+
+
+def test_grid_covers_workloads_scenarios_dps_and_pairings():
+    specs = EXPERIMENTS["d2lpm-grid"].build(True, 0)
+    assert {s.workload for s in specs} == {"tot", "judge", "longqa"}
+    assert {s.scenario for s in specs} == {"s1", "s2"}
+    assert {s.dp for s in specs} == {1, 2, 4, 8}
+    assert {s.combo.label for s in specs if s.dp == 4} == {
+        "D2LPM",
+        "RR+LPM",
+        "Preble",
+        "VTC",
+        "CacheAware+LPM",
+    }
+    # Quick keeps the number of programs per run: dp × duration is constant.
+    assert len({s.dp * s.duration_s for s in specs}) == 1
+
+
+def test_overrides_select_a_slice_or_make_a_pairing():
+    specs = EXPERIMENTS["d2lpm-grid"].build(True, 0)
+    sliced = apply_overrides(specs, Overrides(dp=4, workload="tot", scenario="s2"))
+    assert len(sliced) == 5 and {(s.dp, s.workload, s.scenario) for s in sliced} == {
+        (4, "tot", "s2")
+    }
+    only = apply_overrides(sliced, Overrides(router="d2lpm"))
+    assert [s.combo.label for s in only] == ["D2LPM"]
+    custom = apply_overrides(sliced, Overrides(router="least-load", local="vtc"))
+    assert len(custom) == 1 and (custom[0].combo.router, custom[0].combo.local) == (
+        "least-load",
+        "vtc",
+    )
+
+
+def test_one_run_row_has_the_issue_fields_and_sane_values():
+    row = run_one(RunSpec(D2LPM, 2, "judge", "s1", 8.0, gpu="A10G-24GB", model="Llama-3.2-3B"))
+    assert set(row) >= ROW_FIELDS
+    assert row["router"] == "d2lpm" and row["local"] == "dlpm" and row["dp"] == 2
+    assert row["misbehaving"] == ["c0"]
+    assert row["unfinished_calls"] == 0 and row["num_calls"] > 0
+    assert 0 < row["jain"] <= 1 and 0 <= row["cache_hit_rate"] <= 1
+    assert row["p99_well_behaved_s"] >= row["p50_well_behaved_s"] > 0
+    assert sum(row["dispatch_counts"]) == row["num_calls"]
+    json.dumps(row)  # JSON-able
+
+
+def test_longqa_reports_ttft_not_program_latency():
+    spec = RunSpec(RR_LPM, 1, "longqa", "s2", 15.0, gpu="A10G-24GB", model="Llama-3.2-3B")
+    row = run_one(spec)
+    # A long-document QA program is several calls; its TTFT is far below its e2e latency.
+    assert row["p50_well_behaved_s"] <= row["ttft_p99_s"] + 1e-9
+
+
+def test_claims_are_evaluated_and_can_fail():
+    exp = EXPERIMENTS["d2lpm-quantum"]
+    rows = [
+        {"policy": "D2LPM", "x": 2000.0, "throughput_tok_s": 100.0, "jain": 0.9},
+        {"policy": "D2LPM", "x": math.inf, "throughput_tok_s": 150.0, "jain": 0.7},
+    ]
+    claims = exp.claims(rows)
+    assert [c.passed for c in claims] == [True, True, False]  # ∞ beat the finite quantum
+    rows[1]["throughput_tok_s"] = 50.0
+    assert [c.passed for c in exp.claims(rows)] == [False, True, True]
+
+
+def test_run_cluster_experiment_end_to_end(tmp_path):
+    out = tmp_path / "grid"
+    rc = main(
+        [
+            "run", "d2lpm-grid", "--quick", "--dp", "2", "--workload", "judge",
+            "--scenario", "s1", "--gpu", "A10G-24GB", "--model", "Llama-3.2-3B",
+            "--jobs", "1", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert len(data["rows"]) == 5 and all(r["dp"] == 2 for r in data["rows"])
+    assert {r["gpu"] for r in data["rows"]} == {"A10G-24GB"}
+    assert data["claims"] and (out / "grid.png").stat().st_size > 0
+    assert "## Claims" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "d2lpm-grid", "--dp", "0"], "--dp"),
+        (["run", "d2lpm-grid", "--router", "nope"], "--router"),
+        (["run", "d2lpm-grid", "--local", "nope"], "--local"),
+        (["run", "d2lpm-grid", "--workload", "nope"], "--workload"),
+        (["run", "d2lpm-grid", "--scenario", "s9"], "--scenario"),
+        (["run", "d2lpm-grid", "--gpu", "TPU"], "TPU"),
+        (["run", "vtc-overload", "--dp", "2"], "only for cluster experiments"),
+        (["run", "no-such-experiment"], "unknown experiment"),
+    ],
+)
+def test_bad_flags_are_one_line_exit_2(argv, needle):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_fair.experiment", *argv], capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert needle in proc.stderr
+
+
+def test_run_cluster_experiment_api_without_processes():
+    exp = EXPERIMENTS["cluster"]
+    res = run_cluster_experiment(
+        exp, quick=True, overrides=Overrides(dp=2, workload="chat", gpu="A10G-24GB"), jobs=1
+    )
+    assert len(res.rows) == 1 and res.rows[0]["workload"] == "chat"
+    assert res.to_json()["all_claims_passed"] is True  # no claims: one run
