@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -240,14 +240,8 @@ def run_many(
     order = sorted(range(len(specs)), key=lambda i: -specs[i].dp * specs[i].duration_s)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(run_one, specs[i]): i for i in order}
-        for n, fut in enumerate(_as_completed(futures), 1):
+        for n, fut in enumerate(as_completed(futures), 1):
             rows[futures[fut]] = fut.result()
             if progress:
                 progress(n, len(specs), rows[futures[fut]])
     return rows  # type: ignore[return-value]
-
-
-def _as_completed(futures):
-    from concurrent.futures import as_completed
-
-    return as_completed(futures)

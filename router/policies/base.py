@@ -15,11 +15,11 @@ dataclass that ``make_router_policy`` builds from keyword options.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from sgl_fair.messages import Finished
+from sgl_fair.registry import Registry
 from sgl_fair.request import Request
 from sgl_fair.router.global_tree import GlobalMatch, GlobalTree
 
@@ -112,49 +112,6 @@ def check_positive(policy: str, **values: float) -> None:
 
 # ---------------------------------------------------------------- registry
 
-_REGISTRY: dict[str, type] = {}
-
-
-def register_router_policy(name: str) -> Callable[[type], type]:
-    """Class decorator: ``@register_router_policy("d2lpm")``; the class defines ``Config``."""
-
-    def deco(cls: type) -> type:
-        if name in _REGISTRY:
-            raise ValueError(f"router policy {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def router_policy_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def router_policy_class(name: str) -> type:
-    _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown router policy {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-
-
-def make_router_policy(name: str, **options: Any) -> RouterPolicy:
-    """Build a router policy by name; unknown names or options raise a one-line ValueError."""
-    cls = router_policy_class(name)
-    fields = {f.name for f in dataclasses.fields(cls.Config)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"router policy {name!r} has no option {unknown[0]!r}; "
-            f"options: {', '.join(sorted(fields)) or '(none)'}"
-        )
-    return cls(cls.Config(**options))
-
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register_router_policy decorators.
@@ -166,3 +123,14 @@ def _load_builtin() -> None:
         preble,
         rr,
     )
+
+
+ROUTER_POLICIES = Registry("router policy", load=_load_builtin)
+register_router_policy = ROUTER_POLICIES.register  # @register_router_policy("d2lpm")
+router_policy_names = ROUTER_POLICIES.names
+router_policy_class = ROUTER_POLICIES.get
+
+
+def make_router_policy(name: str, **options: Any) -> RouterPolicy:
+    """Build a router policy by name; unknown names or options raise a one-line ValueError."""
+    return ROUTER_POLICIES.make(name, **options)

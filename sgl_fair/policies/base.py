@@ -17,11 +17,11 @@ scheduler pulls one request, tries to admit it, and on success calls
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from sgl_fair.registry import Registry
 from sgl_fair.request import ClientId, Request
 
 
@@ -145,49 +145,18 @@ def client_weight(weights: Mapping[ClientId, float], client: ClientId) -> float:
 
 # ---------------------------------------------------------------- registry
 
-_REGISTRY: dict[str, type] = {}
-
-
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: ``@register("vtc")``. The class must define a ``Config`` dataclass."""
-
-    def deco(cls: type) -> type:
-        if name in _REGISTRY:
-            raise ValueError(f"policy {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def policy_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def policy_class(name: str) -> type:
-    _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown policy {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-
-
-def make_policy(name: str, **options: Any) -> Policy:
-    """Build a policy by registry name; unknown names or options raise a one-line ValueError."""
-    cls = policy_class(name)
-    fields = {f.name for f in dataclasses.fields(cls.Config)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"policy {name!r} has no option {unknown[0]!r}; options: {', '.join(sorted(fields))}"
-        )
-    return cls(cls.Config(**options))
-
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register decorators.
     from sgl_fair.policies import dlpm, fcfs, lcf, lpm, rpm, vtc  # noqa: F401
+
+
+POLICIES = Registry("policy", load=_load_builtin)
+register = POLICIES.register  # class decorator: @register("vtc"); the class defines `Config`
+policy_names = POLICIES.names
+policy_class = POLICIES.get
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """Build a policy by registry name; unknown names or options raise a one-line ValueError."""
+    return POLICIES.make(name, **options)
