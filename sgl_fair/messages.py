@@ -8,7 +8,11 @@ message names its ``worker``; times are the sender's clock (virtual or wall).
     router ◀──Tokens──── worker            new output tokens of one engine step
     router ◀─Finished─── worker            a request left: finished, rejected or aborted
     router ◀─Evicted──── worker            prefixes dropped from the worker's KV cache
-    router ◀───Load───── worker            queue and memory gauges (periodic)
+    router ◀───Load───── worker            queue and memory gauges (periodic; also the heartbeat)
+
+Live-cluster control messages (zmq only): ``Abort`` and ``FlushCache`` / ``Shutdown`` go to a
+worker; a worker announces itself with ``Hello`` and answers a flush with ``Flushed``. KV
+cache changes travel separately, in SGLang's own KV-event format (``sgl_fair.kv_events``).
 
 ``Dispatch`` carries the ``Request`` object; its wire form is the request's
 ``SUBMITTED_FIELDS`` (the scheduler's bookkeeping never travels).
@@ -58,6 +62,12 @@ class Finished(msgspec.Struct, frozen=True, gc=False):
     output_ids: Tokens_
     prefix_len: int = 0  # cached prefix at (first) admission on the worker
     error: str | None = None  # why, for REJECTED / ABORTED
+    # Only when the request asked for them (``Request.return_logprob``): log-probabilities of
+    # prompt positions logprob_start_len.. (None where undefined: position 0), of each output
+    # token, and each output position's top alternatives as (logprob, token id).
+    input_logprobs: tuple[float | None, ...] | None = None
+    output_logprobs: tuple[float, ...] | None = None
+    output_top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None = None
 
     @property
     def input_len(self) -> int:
@@ -91,11 +101,52 @@ class Load(msgspec.Struct, frozen=True, gc=False):
     kv_capacity_tokens: int
 
 
+class Abort(msgspec.Struct, frozen=True, gc=False):
+    """Cancel a request (client gone, stop string matched); answered by its ``Finished``."""
+
+    worker: int
+    rid: str
+    reason: str = "aborted by client"
+
+
+class FlushCache(msgspec.Struct, frozen=True, gc=False):
+    """Drop the worker's unlocked prefix cache (SGLang's /flush_cache); answered by ``Flushed``."""
+
+    worker: int
+    token: int  # echoed back, to pair the answer with the call
+
+
+class Shutdown(msgspec.Struct, frozen=True, gc=False):
+    worker: int
+
+
+class Hello(msgspec.Struct, frozen=True, gc=False):
+    """A worker is up: sent once at start (and again if the router asks)."""
+
+    worker: int
+    t_s: float
+    pid: int
+    kv_capacity_tokens: int
+    engine: str  # e.g. "sim H100-80GB Llama-3.1-8B"
+    version: int = PROTOCOL_VERSION
+
+
+class Flushed(msgspec.Struct, frozen=True, gc=False):
+    worker: int
+    token: int
+    ok: bool
+
+
 WorkerMessage = Tokens | Finished | Evicted | Load
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Abort",
     "Dispatch",
+    "FlushCache",
+    "Flushed",
+    "Hello",
+    "Shutdown",
     "Evicted",
     "Finished",
     "FinishReason",

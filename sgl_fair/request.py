@@ -27,6 +27,7 @@ class Phase(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     REJECTED = "rejected"
+    ABORTED = "aborted"  # cancelled (client disconnect, stop string matched, shutdown)
 
 
 class ServiceClass(str, enum.Enum):
@@ -65,6 +66,12 @@ class Request:
     # request of `prefix_group` (what a trace line says; the scheduler never reads it).
     prefix_group: str | None = None
     group_prefix_len: int | None = None
+    # Serving: log-probabilities to return with the result (SGLang's `return_logprob`):
+    # prompt positions from `logprob_start_len` on (-1: none) and every output token, with
+    # the `top_logprobs_num` most likely alternatives per output position.
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
 
     # ---- scheduler bookkeeping (below this line nothing is set by the submitter) ----
     phase: Phase = Phase.WAITING
@@ -81,6 +88,7 @@ class Request:
     finish_s: float | None = None
     num_retractions: int = 0
     reject_reason: str | None = None
+    abort_reason: str | None = None
     # Arrival tie-breaker: a process-wide sequence number, so orders are total and stable.
     seq: int = field(default_factory=lambda: next(_seq))
 

@@ -58,6 +58,19 @@ class StepResult:
     next_token_ids: Sequence[int]
 
 
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """What ``Engine.logprobs`` returns for a finished request (``Request.return_logprob``)."""
+
+    input: tuple[float | None, ...]  # prompt positions logprob_start_len.. (None at position 0)
+    output: tuple[float, ...]  # one per output token
+    output_top: tuple[tuple[tuple[float, int], ...], ...]  # per output position, best first
+
+
 @runtime_checkable
 class Engine(Protocol):
     def run(self, batch: Batch) -> StepResult: ...
+
+    def logprobs(self, req: Request) -> Logprobs:
+        """Log-probabilities of ``req``'s prompt (from ``req.logprob_start_len``) and output."""
+        ...

@@ -162,6 +162,42 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
+    def abort(self, req: Request, now: float, reason: str = "aborted") -> bool:
+        """Cancel ``req`` wherever it is (waiting, running or mid-chunked-prefill).
+
+        Must be called between steps (never between ``step`` and its ``apply``). Computed
+        KV is kept in the prefix cache, as SGLang does for an aborted request; what the
+        client was charged stays charged. Returns False if ``req`` is not here (finished
+        already, or never added): aborting is idempotent.
+        """
+        if self._in_batch:
+            raise RuntimeError("abort() between step() and apply()")
+        self._now = now
+        if req.phase is Phase.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+            self._match_memo.pop(req, None)
+            waiting = True
+        elif req.phase is Phase.RUNNING and (req is self.chunked or req in self.running):
+            if req is self.chunked:
+                self.chunked = None
+            else:
+                self.running.remove(req)
+            handle = self._handles.pop(req)
+            computed = req.all_ids()[: req.num_computed]
+            if len(computed) > handle.prefix_len:
+                handle = self.kv.commit(req, computed, handle)
+            self.kv.release(req, handle)
+            waiting = False
+        else:
+            return False
+        req.phase = Phase.ABORTED
+        req.abort_reason = reason
+        req.finish_s = now
+        self._admission_blocked = False
+        self.log.done.append(req)
+        self.policy.on_aborted(req, waiting)
+        return True
+
     # ------------------------------------------------------------ step
 
     def step(self, now: float) -> Batch | None:

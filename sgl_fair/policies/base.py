@@ -8,6 +8,7 @@ A policy sees requests and accounting events only (ARCHITECTURE "seams" #1):
     on_admitted(req, extend_len)               # charged *before* the walk resumes
     on_tokens(req, n)                          # n output tokens generated
     on_finished(req) / on_retracted(req)
+    on_aborted(req, waiting)                   # cancelled; `waiting`: it was in the queue
 
 ``order`` is a generator so that policies whose next choice depends on the
 previous admission (VTC's argmin counter, DLPM's deficit walk) are exact: the
@@ -64,6 +65,8 @@ class Policy(Protocol):
 
     def on_retracted(self, req: Request) -> None: ...
 
+    def on_aborted(self, req: Request, waiting: bool) -> None: ...
+
 
 class BasePolicy:
     """No-op defaults plus the waiting-count bookkeeping most policies need.
@@ -96,6 +99,17 @@ class BasePolicy:
 
     def on_retracted(self, req: Request) -> None:
         self.active.enqueue(req.client)
+
+    def on_aborted(self, req: Request, waiting: bool) -> None:
+        """A cancelled request leaves; what it was charged stays charged (it was served).
+
+        A waiting request leaves the queue as if admitted (so the client may go inactive);
+        one that was ever admitted finishes (policies settle predictions in ``on_finished``).
+        """
+        if waiting:
+            self.active.dequeue(req.client)
+        if req.admit_s is not None:
+            self.on_finished(req)
 
 
 class ActiveClients:

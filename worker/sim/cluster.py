@@ -28,12 +28,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sgl_fair.messages import Dispatch, Evicted, Finished, FinishReason, Load, Tokens
+from sgl_fair.messages import Dispatch, Finished
 from sgl_fair.policies.base import Policy
 from sgl_fair.records import RequestRecord, ServiceEvent
-from sgl_fair.request import Phase, Request
+from sgl_fair.request import Request
 from sgl_fair.worker.engine import StepResult
 from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from sgl_fair.worker.service import WorkerCore
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.runner import make_sim_worker
 
@@ -83,19 +84,30 @@ class ClusterConfig:
 
 @dataclass
 class SimWorker:
-    """A simulated worker: its scheduler, engine, and what it has not reported yet."""
+    """A simulated worker: its ``WorkerCore`` (scheduler + engine) and delivery state."""
 
-    wid: int
-    scheduler: Scheduler
-    engine: Any
+    core: WorkerCore
     busy: bool = False
     wake_pending: bool = False
     inbox: list[tuple[Request, float]] = field(default_factory=list)
     result: StepResult | None = None
-    reported: int = 0  # entries of scheduler.log.done already reported
-    last_load_s: float = float("-inf")
-    busy_s: float = 0.0
     num_dispatched: int = 0
+
+    @property
+    def wid(self) -> int:
+        return self.core.wid
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def engine(self) -> Any:
+        return self.core.engine
+
+    @property
+    def busy_s(self) -> float:
+        return self.core.busy_s
 
 
 @dataclass
@@ -162,8 +174,8 @@ def simulate_cluster(
             kv_tokens=config.kv_tokens,
             config=config.scheduler,
         )
-        sched.kv.record_evictions()
-        workers.append(SimWorker(wid, sched, engine))
+        core = WorkerCore(wid, sched, engine, load_interval_s=config.load_interval_s)
+        workers.append(SimWorker(core))
     delay = config.net_delay_s
     heap: list[tuple[float, int, int, Any]] = []
     seq = itertools.count()
@@ -190,58 +202,21 @@ def simulate_cluster(
 
     def report(w: SimWorker, t: float) -> None:
         """Send what the worker's last step (or arrivals) produced to the router."""
-        sched = w.scheduler
-        done = sched.log.done
-        for req in done[w.reported :]:
-            if req.phase is Phase.REJECTED:
-                reason, error = FinishReason.REJECTED, req.reject_reason
-            else:
-                reason, error = FinishReason.LENGTH, None
-            msg = Finished(
-                w.wid,
-                t,
-                req.rid,
-                req.client,
-                reason,
-                req.input_ids,
-                tuple(req.output_ids),
-                req.first_prefix_len or 0,
-                error,
-            )
+        for msg in w.core.drain(t).messages:
             push(t + delay, _TO_ROUTER, msg)
-        w.reported = len(done)
-        blocks = sched.kv.drain_evicted()
-        if blocks:
-            push(t + delay, _TO_ROUTER, Evicted(w.wid, t, tuple(blocks)))
-        if t - w.last_load_s >= config.load_interval_s:
-            w.last_load_s = t
-            usage = sched.kv.usage()
-            load = Load(
-                w.wid,
-                t,
-                len(sched.waiting),
-                len(sched.running) + (sched.chunked is not None),
-                usage.locked + usage.private,
-                usage.cached,
-                sched.kv.capacity_tokens,
-            )
-            push(t + delay, _TO_ROUTER, load)
 
     def run_step(w: SimWorker, t: float) -> None:
-        sched = w.scheduler
         rejected = False
         for req, t_in in w.inbox:
-            rejected |= sched.add_request(req, t_in) is not None
+            rejected |= not w.core.add(req, t_in)
         w.inbox.clear()
         if rejected:
             report(w, t)  # answer refusals now, not after the next step
-        batch = sched.step(t)
-        if batch is None:
+        w.result = w.core.step(t)
+        if w.result is None:
             w.busy = False
             return
         w.busy = True
-        w.result = w.engine.run(batch)
-        w.busy_s += w.result.duration_s
         push(t + w.result.duration_s, _STEP_DONE, w)
 
     while heap:
@@ -254,10 +229,7 @@ def simulate_cluster(
         if kind == _STEP_DONE:
             w = payload
             result, w.result = w.result, None
-            w.scheduler.apply(result, t)
-            items = tuple((r.rid, (r.output_ids[-1],)) for r in result.batch.sampling_requests())
-            if items:
-                push(t + delay, _TO_ROUTER, Tokens(w.wid, t, items))
+            w.core.complete(result, t)
             report(w, t)
             run_step(w, t)
         elif kind == _TO_ROUTER:

@@ -1,18 +1,23 @@
 """The simulated engine: step durations from a cost model, synthetic output tokens.
 
 It is a drop-in ``Engine``: the scheduler cannot tell it from a real one. Output
-token ids lie in a private range above any vocabulary, so generated text never
-accidentally matches a prompt in the prefix cache, and are a pure function of the
-request id and position (:func:`synthetic_token`): the same request yields the same
-text on any worker and under any policy, as a seeded model would, so programs that
-build prompts from earlier outputs are reproducible across runs.
+token ids are a pure function of the request id and position (:func:`synthetic_token`):
+the same request yields the same text on any worker and under any policy, as a seeded
+model would, so programs that build prompts from earlier outputs are reproducible
+across runs. By default they lie in a private range above any vocabulary, so generated
+text never accidentally matches a prompt in the prefix cache; a live server passes its
+tokenizer's ``token_range`` so that outputs decode to text.
+
+Log-probabilities are synthetic too, a pure function of (previous token, token): the
+same prompt always scores the same, so ``sgl.select`` is deterministic.
 """
 
 from __future__ import annotations
 
 import zlib
 
-from sgl_fair.worker.engine import Batch, StepResult
+from sgl_fair.request import Request
+from sgl_fair.worker.engine import Batch, Logprobs, StepResult
 from sgl_fair.worker.sim.cost_model import CostModel
 
 SYNTHETIC_TOKEN_BASE = 1 << 30
@@ -20,20 +25,62 @@ _SPAN = 1 << 30
 _STRIDE = 7919  # odd, so positions 0 .. 2**30 - 1 of one request never collide
 
 
-def synthetic_token(rid: str, position: int) -> int:
-    """The ``position``-th output token of request ``rid`` (deterministic, >= 2**30)."""
+def synthetic_token(
+    rid: str, position: int, token_range: tuple[int, int] = (SYNTHETIC_TOKEN_BASE, 1 << 31)
+) -> int:
+    """The ``position``-th output token of request ``rid``, in ``[lo, hi)`` (deterministic)."""
+    lo, hi = token_range
     mixed = zlib.crc32(rid.encode()) * 1_000_003 + position * _STRIDE
-    return SYNTHETIC_TOKEN_BASE + mixed % _SPAN
+    return lo + mixed % (hi - lo)
+
+
+def synthetic_logprob(prev: int, token: int) -> float:
+    """log p(token | prev) of the synthetic model: in (-8, -0.001], deterministic."""
+    h = (prev * 1_000_003 + token * 7919 + 12345) % 7993
+    return -0.001 - h / 1000.0
 
 
 class SimEngine:
-    def __init__(self, cost_model: CostModel) -> None:
+    def __init__(
+        self, cost_model: CostModel, *, token_range: tuple[int, int] | None = None
+    ) -> None:
         self.cost_model = cost_model
+        self.token_range = token_range or (SYNTHETIC_TOKEN_BASE, 1 << 31)
+        lo, hi = self.token_range
+        if not 0 <= lo < hi:
+            raise ValueError(f"token_range must satisfy 0 <= lo < hi (got {self.token_range})")
 
     def run(self, batch: Batch) -> StepResult:
         duration = self.cost_model.step_time(
             prefill_chunks=[(c.num_tokens, c.start) for c in batch.prefill],
             decode_context_lens=[r.seq_len for r in batch.decode],
         )
-        tokens = [synthetic_token(r.rid, r.num_output) for r in batch.sampling_requests()]
+        rng = self.token_range
+        tokens = [synthetic_token(r.rid, r.num_output, rng) for r in batch.sampling_requests()]
         return StepResult(batch, duration, tokens)
+
+    def logprobs(self, req: Request) -> Logprobs:
+        ids = req.input_ids
+        start = req.logprob_start_len
+        inputs: tuple[float | None, ...] = ()
+        if start >= 0:
+            inputs = tuple(
+                None if i == 0 else synthetic_logprob(ids[i - 1], ids[i])
+                for i in range(start, len(ids))
+            )
+        seq = ids[-1:] + tuple(req.output_ids)
+        outputs = tuple(synthetic_logprob(seq[i], seq[i + 1]) for i in range(len(seq) - 1))
+        top: tuple[tuple[tuple[float, int], ...], ...] = ()
+        k = req.top_logprobs_num
+        if k > 0:
+            lo, hi = self.token_range
+            rows = []
+            for i, lp in enumerate(outputs):
+                # The sampled token is the most likely one (greedy); the alternatives score lower.
+                alts = [(lp, seq[i + 1])]
+                for j in range(1, k):
+                    alt = lo + (seq[i + 1] - lo + j * 7919) % (hi - lo)
+                    alts.append((lp - 0.5 * j, alt))
+                rows.append(tuple(alts))
+            top = tuple(rows)
+        return Logprobs(inputs, outputs, top)

@@ -50,11 +50,13 @@ def make_sim_worker(
     cost_model: CostModel,
     kv_tokens: int | None = None,
     config: SchedulerConfig | None = None,
+    token_range: tuple[int, int] | None = None,
 ) -> tuple[Scheduler, SimEngine]:
     """A scheduler + simulated engine pair; the KV pool is derived from memory unless given."""
     capacity = kv_tokens if kv_tokens is not None else cost_model.kv_capacity_tokens()
     kv = PrefixKVCache(TokenAllocator(capacity))
-    return Scheduler(policy=policy, kv=kv, config=config), SimEngine(cost_model)
+    engine = SimEngine(cost_model, token_range=token_range)
+    return Scheduler(policy=policy, kv=kv, config=config), engine
 
 
 def simulate(
