@@ -101,6 +101,17 @@ class GlobalTree:
             held |= child.owners
         return held
 
+    def tokens_by_worker(self) -> dict[int, int]:
+        """Tokens the tree credits to each worker (a full walk: for inspection, not dispatch)."""
+        out: dict[int, int] = {}
+        stack = list(self._tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            for u in node.owners:
+                out[u] = out.get(u, 0) + len(node.key)
+            stack.extend(node.children.values())
+        return out
+
     def check_invariants(self) -> None:
         """Radix invariants, no locks, and no node without an owner."""
         tree = self._tree

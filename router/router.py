@@ -4,6 +4,7 @@ The simulator and the live server drive the same object; time is passed in::
 
     router.dispatch(req, now) -> Dispatch    match → policy.select → record → policy hook
     router.handle(msg, now)                  Tokens / Finished / Evicted / Load, as they come
+    router.apply_kv_ops(u, ops, t_s)         SGLang-format KV events, decoded (kv_events.py)
     router.remove_worker(u) -> [rid, ...]    a worker died: its in-flight requests, to retry
     router.add_worker(u)                     a worker (re)joined
 
@@ -21,8 +22,10 @@ from its worker does not re-insert its tokens: they may be among those evicted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sgl_fair.kv_events import Cleared, Removed, Stored, TreeOp
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
 from sgl_fair.request import ClientId, Request
 from sgl_fair.router.global_tree import GlobalTree
@@ -40,6 +43,7 @@ class WorkerStats:
     num_evicted_tokens: int = 0  # tokens the tree pruned because of eviction reports
     num_output_tokens: int = 0  # from Tokens messages
     num_stale: int = 0  # messages ignored: unknown request, or from a dead worker
+    num_kv_events: int = 0  # KV-event tree ops applied (Stored / Removed / Cleared)
 
 
 class Router:
@@ -148,11 +152,47 @@ class Router:
         if msg.worker not in self._queue_len:
             stats.num_stale += 1  # a dead worker holds nothing in the tree already
             return
-        if msg.t_s > self._evicted_s.get(msg.worker, float("-inf")):
-            self._evicted_s[msg.worker] = msg.t_s
+        self._mark_evicted(msg.worker, msg.t_s)
         stats.num_evicted_blocks += len(msg.blocks)
         for path, start in msg.blocks:
             stats.num_evicted_tokens += self.tree.evicted(msg.worker, path, start)
+
+    def apply_kv_ops(self, worker: int, ops: Sequence[TreeOp], t_s: float) -> None:
+        """Follow ``worker``'s cache through its KV events (``KVEventDecoder.apply``'s ops).
+
+        The authoritative alternative to guessing from dispatches and ``Finished``: a
+        ``Stored`` path is held, a ``Removed`` block is handled exactly like an ``Evicted``
+        one (so a ``Finished`` stamped before ``t_s``, the batch's time on the worker's
+        clock, does not re-insert), and ``Cleared`` forgets everything the worker held
+        while it stays alive. Ops from a dead worker are ignored (one ``num_stale``).
+        """
+        stats = self._stats(worker)
+        if worker not in self._queue_len:
+            if ops:
+                stats.num_stale += 1
+            return
+        tree = self.tree
+        stored = False
+        for op in ops:
+            stats.num_kv_events += 1
+            if isinstance(op, Stored):
+                tree.insert(op.path, worker)
+                stored = True
+            elif isinstance(op, Removed):
+                self._mark_evicted(worker, t_s)
+                stats.num_evicted_blocks += 1
+                stats.num_evicted_tokens += tree.evicted(worker, op.path, op.start)
+            elif isinstance(op, Cleared):
+                self._mark_evicted(worker, t_s)
+                stats.num_evicted_tokens += tree.remove_worker(worker)
+            else:
+                raise TypeError(f"not a KV tree op: {op!r}")
+        if stored:
+            self._bound_tree()
+
+    def _mark_evicted(self, worker: int, t_s: float) -> None:
+        if t_s > self._evicted_s.get(worker, float("-inf")):
+            self._evicted_s[worker] = t_s
 
     def _bound_tree(self) -> None:
         limit = self.max_tree_tokens

@@ -14,6 +14,12 @@ Rules the scheduler relies on:
 * ``commit`` moves a request's computed tokens into the tree (private → tree),
   freeing any it duplicated because another request inserted them meanwhile.
 * ``check_invariants`` proves the equation above.
+
+Two independent feeds tell a router what the cache holds, both off by default (a lone
+simulated worker pays nothing): ``record_evictions``/``drain_evicted`` (evicted blocks,
+for the simulator's ``Evicted`` messages) and ``record_kv_events``/``drain_kv_events``
+(every store, eviction and flush, in order, for SGLang-format KV events; see
+``sgl_fair.kv_events.KVEventEncoder``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ from typing import NamedTuple
 
 from sgl_fair.radix import MatchMemo, Node, RadixTree
 from sgl_fair.worker.kv.base import CACHE, KVAllocator, OutOfMemory
+
+# A cache change for KV events: ("stored", path, start) — the cache now also holds
+# path[start:]; ("removed", path, start) — it dropped path[start:]; ("cleared", (), 0).
+KVChange = tuple[str, tuple[int, ...], int]
 
 
 class PrefixHandle(NamedTuple):
@@ -45,6 +55,8 @@ class PrefixKVCache:
         # Evicted blocks ``(path, start)`` not yet reported; None = nobody listens (a single
         # simulated worker). A worker behind a router drains it with ``drain_evicted()``.
         self._evicted: list[tuple[tuple[int, ...], int]] | None = None
+        # Cache changes not yet drained; None = not recording (the default, zero cost).
+        self._kv_events: list[KVChange] | None = None
 
     def record_evictions(self) -> None:
         """Start remembering evicted blocks for ``drain_evicted`` (router sync)."""
@@ -54,6 +66,25 @@ class PrefixKVCache:
     def drain_evicted(self) -> list[tuple[tuple[int, ...], int]]:
         """Blocks evicted since the last call, oldest first: ``path[start:]`` is gone."""
         out, self._evicted = self._evicted or [], ([] if self._evicted is not None else None)
+        return out
+
+    def record_kv_events(self) -> None:
+        """Start remembering every store, eviction and flush for ``drain_kv_events``."""
+        if self._kv_events is None:
+            self._kv_events = []
+
+    def drain_kv_events(self) -> list[KVChange]:
+        """Cache changes since the last call, oldest first (empty when not recording).
+
+        ``("stored", path, start)``: ``commit`` added ``path[start:]`` below the cached
+        ``path[:start]``; ``("removed", path, start)``: eviction dropped ``path[start:]``
+        (a whole leaf, so nothing below it); ``("cleared", (), 0)``: ``flush`` emptied the
+        cache. Replayed in order from when recording began, they track what the tree holds.
+        """
+        out = self._kv_events
+        if out is None:
+            return []
+        self._kv_events = []
         return out
 
     @property
@@ -99,6 +130,8 @@ class PrefixKVCache:
         freed = sum(len(path) - start for path, start in blocks)
         if self._evicted is not None:
             self._evicted.extend(blocks)
+        if self._kv_events is not None:
+            self._kv_events.extend([("removed", path, start) for path, start in blocks])
         if freed:
             self.allocator.free(CACHE, freed)
             self.num_evicted_tokens += freed
@@ -115,12 +148,39 @@ class PrefixKVCache:
         if res.prefix_len < handle.prefix_len:
             raise AssertionError("a locked prefix disappeared from the tree")
         self.allocator.transfer(owner, CACHE, res.num_new)
+        if res.num_new and self._kv_events is not None:
+            # The insert added tokens[prefix_len:] (prefix_len = len - num_new) as one leaf.
+            self._kv_events.append(("stored", tuple(tokens), res.prefix_len))
         duplicated = res.prefix_len - handle.prefix_len
         if duplicated:
             self.allocator.free(owner, duplicated)
         self.tree.lock(res.node)
         self.tree.unlock(handle.node)
         return PrefixHandle(len(tokens), res.node)
+
+    def flush(self) -> bool:
+        """Drop every cached prefix, as SGLang's ``/flush_cache``; False if it cannot.
+
+        Like SGLang, only an idle cache can be flushed: if any request locks a prefix or
+        holds KV privately, nothing happens and this returns False. The dropped blocks are
+        reported to ``drain_evicted`` (the router must forget them), and as one
+        ``("cleared", (), 0)`` to ``drain_kv_events``. They do not count as evictions
+        (``num_evicted_tokens`` measures memory pressure).
+        """
+        tree = self.tree
+        if tree.locked_tokens or self.usage().private:
+            return False
+        if self._evicted is not None:
+            blocks = tree.evict(tree.total_tokens)
+            self._evicted.extend(blocks)
+            freed = sum(len(path) - start for path, start in blocks)
+        else:
+            freed = tree.discard_lru(tree.total_tokens)
+        if freed:
+            self.allocator.free(CACHE, freed)
+        if self._kv_events is not None:
+            self._kv_events.append(("cleared", (), 0))
+        return True
 
     def release(self, owner: Hashable, handle: PrefixHandle) -> None:
         """Free everything ``owner`` holds privately and unlock its prefix."""
