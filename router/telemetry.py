@@ -1,0 +1,136 @@
+"""Prometheus metrics of the live router (``GET /metrics``).
+
+Per tenant: requests by outcome, input / cached / output tokens, service (the fairness
+currency: extend tokens + ``output_weight`` × output tokens, as the schedulers count it),
+rejections by reason, TTFT and end-to-end latency histograms. Per worker: the router's
+queue length and the worker's own gauges from its ``Load`` reports, and whether it is alive.
+One registry per server, so tests can run several in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from sgl_fair.messages import Load
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+
+
+class Telemetry:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, *, output_weight: float = 2.0) -> None:
+        self.output_weight = output_weight
+        r = self.registry = CollectorRegistry()
+        p = "sgl_fair_"
+        self.requests = Counter(
+            p + "tenant_requests", "Requests by tenant and outcome", ["tenant", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.input_tokens = Counter(
+            p + "tenant_input_tokens", "Prompt tokens", ["tenant"], registry=r
+        )
+        self.cached_tokens = Counter(
+            p + "tenant_cached_tokens", "Prompt tokens served from a prefix cache", ["tenant"],
+            registry=r,
+        )  # fmt: skip
+        self.output_tokens = Counter(
+            p + "tenant_output_tokens", "Generated tokens", ["tenant"], registry=r
+        )
+        self.service = Counter(
+            p + "tenant_service",
+            "Service received: uncached prompt tokens + output_weight x output tokens",
+            ["tenant"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            p + "tenant_rejections", "Requests refused", ["tenant", "reason"], registry=r
+        )
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Time to first token", ["tenant"], buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            p + "e2e_latency_seconds", "End-to-end request latency", ["tenant"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.cache_hit_rate = Gauge(
+            p + "cache_hit_rate", "Cached / prompt tokens over all finished requests", registry=r
+        )
+        self.queue_len = Gauge(
+            p + "worker_queue_length", "Requests dispatched and not finished", ["worker"],
+            registry=r,
+        )  # fmt: skip
+        self.waiting = Gauge(p + "worker_waiting", "Waiting requests", ["worker"], registry=r)
+        self.running = Gauge(p + "worker_running", "Running requests", ["worker"], registry=r)
+        self.kv_used = Gauge(
+            p + "worker_kv_used_tokens", "KV tokens held by running requests", ["worker"],
+            registry=r,
+        )  # fmt: skip
+        self.kv_cached = Gauge(
+            p + "worker_kv_cached_tokens", "Evictable prefix-cache tokens", ["worker"], registry=r
+        )
+        self.kv_usage = Gauge(
+            p + "worker_kv_usage", "Used + cached KV tokens / capacity", ["worker"], registry=r
+        )
+        self.alive = Gauge(
+            p + "worker_alive", "1 while the worker is alive", ["worker"], registry=r
+        )
+        self._prompt = 0
+        self._cached = 0
+
+    def finished(
+        self,
+        tenant: str,
+        *,
+        outcome: str,
+        input_len: int,
+        cached: int,
+        output_len: int,
+        ttft_s: float | None,
+        e2e_s: float | None,
+    ) -> None:
+        self.requests.labels(tenant, outcome).inc()
+        self.input_tokens.labels(tenant).inc(input_len)
+        self.cached_tokens.labels(tenant).inc(cached)
+        self.output_tokens.labels(tenant).inc(output_len)
+        self.service.labels(tenant).inc(
+            max(input_len - cached, 0) + self.output_weight * output_len
+        )
+        if ttft_s is not None:
+            self.ttft.labels(tenant).observe(ttft_s)
+        if e2e_s is not None:
+            self.e2e.labels(tenant).observe(e2e_s)
+        self._prompt += input_len
+        self._cached += cached
+        if self._prompt:
+            self.cache_hit_rate.set(self._cached / self._prompt)
+
+    def rejected(self, tenant: str, reason: str) -> None:
+        self.rejections.labels(tenant, reason).inc()
+        self.requests.labels(tenant, "rejected").inc()
+
+    def load(self, msg: Load, queue_len: int) -> None:
+        w = str(msg.worker)
+        self.queue_len.labels(w).set(queue_len)
+        self.waiting.labels(w).set(msg.num_waiting)
+        self.running.labels(w).set(msg.num_running)
+        self.kv_used.labels(w).set(msg.kv_used_tokens)
+        self.kv_cached.labels(w).set(msg.kv_cached_tokens)
+        cap = msg.kv_capacity_tokens
+        self.kv_usage.labels(w).set((msg.kv_used_tokens + msg.kv_cached_tokens) / cap if cap else 0)
+
+    def worker_alive(self, worker: int, alive: bool) -> None:
+        self.alive.labels(str(worker)).set(1 if alive else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

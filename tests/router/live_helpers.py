@@ -1,0 +1,84 @@
+"""Start a real ``python -m sgl_fair.launch`` on loopback for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Live:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def info(self) -> dict:
+        return httpx.get(self.url + "/server_info", timeout=10).json()
+
+
+@contextlib.contextmanager
+def launched(*args: str, tmp_path, timeout_s: float = 90.0) -> Iterator[Live]:
+    """Run the launcher with ``args``; yield once /health answers; stop it with SIGINT and
+    check it exits cleanly (status 0, its socket directory removed, no worker left)."""
+    port = free_port()
+    log_path = str(tmp_path / f"launch-{port}.log")
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    cmd = [sys.executable, "-m", "sgl_fair.launch", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    live = Live(url, proc, log_path)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"launch exited with {proc.returncode}:\n{live.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"launch not ready in {timeout_s}s:\n{live.log()}")
+            time.sleep(0.2)
+        yield live
+    finally:
+        pids = []
+        with contextlib.suppress(Exception):
+            pids = [w["pid"] for w in live.info()["workers"] if w["pid"]]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError(f"launch did not stop on SIGINT:\n{live.log()}") from None
+        log.close()
+    assert proc.returncode == 0, f"launch exited with {proc.returncode}:\n{live.log()}"
+    for pid in pids:  # every worker is gone too
+        gone = False
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                gone = True
+                break
+            time.sleep(0.1)
+        assert gone, f"worker pid {pid} survived the launcher"

@@ -1,0 +1,208 @@
+"""A live worker process: the worker scheduler on the simulated engine, in wall-clock time.
+
+The loop is the simulator's, with real sleeping: start a step, wait its modelled duration
+(divided by ``time_scale``; ``inf`` makes a zero-cost engine), meanwhile take in dispatches
+and aborts, then publish its tokens and finishes. Dispatches arriving during a step join the
+queue when it ends, as in SGLang's continuous-batching loop::
+
+    while running:
+        poll zmq until the running step is due (or a message comes)
+        handle Dispatch / Abort / FlushCache / Shutdown
+        if the step is due: core.complete(...); publish Tokens/Finished/Load + KV events
+        if idle: start the next step
+
+The same ``WorkerCore`` runs inside the cluster simulator; nothing here knows about
+fairness. KV-cache changes are published on a PUB socket in SGLang's KV-event format.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from sgl_fair import kv_events
+from sgl_fair.messages import Abort, Dispatch, FlushCache, Flushed, Hello, Shutdown
+from sgl_fair.policies import make_policy
+from sgl_fair.router.transport import Endpoints, WireError, decode, encode
+from sgl_fair.worker.scheduler import SchedulerConfig
+from sgl_fair.worker.service import WorkerCore
+from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.runner import make_sim_worker
+
+log = logging.getLogger("sgl_fair.worker")
+
+
+@dataclass(frozen=True)
+class LiveWorkerConfig:
+    wid: int
+    endpoints: str  # Endpoints.base
+    policy: str = "dlpm"
+    policy_opts: dict[str, Any] = field(default_factory=dict)
+    gpu: str = "H100-80GB"
+    model: str = "Llama-3.1-8B"
+    tp: int | None = None
+    kv_tokens: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    time_scale: float = 1.0  # simulated seconds per wall second; inf = zero-cost engine
+    token_range: tuple[int, int] = (259, 32000)
+    kv_page_size: int = 16
+    load_interval_s: float = 0.1
+    log_level: str = "warning"
+
+
+def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
+    cost = CostModel.from_names(cfg.gpu, cfg.model, tp=cfg.tp)
+    sched, engine = make_sim_worker(
+        policy=make_policy(cfg.policy, **cfg.policy_opts),
+        cost_model=cost,
+        kv_tokens=cfg.kv_tokens,
+        config=cfg.scheduler,
+        token_range=cfg.token_range,
+    )
+    return WorkerCore(
+        cfg.wid,
+        sched,
+        engine,
+        load_interval_s=cfg.load_interval_s,
+        report_evictions=False,  # the router learns evictions from KV events
+        kv_changes=True,
+    )
+
+
+class LiveWorker:
+    def __init__(self, cfg: LiveWorkerConfig, ctx: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self.core = build_core(cfg)
+        self.encoder = kv_events.KVEventEncoder(page_size=cfg.kv_page_size)
+        ep = Endpoints(cfg.endpoints)
+        self.ctx = ctx or zmq.Context.instance()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(ep.worker_in(cfg.wid))
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(ep.router_in)
+        self.kv_pub = self.ctx.socket(zmq.PUB)
+        self.kv_pub.setsockopt(zmq.LINGER, 0)
+        self.kv_pub.bind(ep.worker_kv(cfg.wid))
+        self.kv_seq = 0
+        self.running = True
+        self.parent = os.getppid()
+        scale = cfg.time_scale
+        if not scale > 0:
+            raise ValueError(f"time_scale must be > 0 (got {scale})")
+        self._wall_per_sim = 0.0 if math.isinf(scale) else 1.0 / scale
+
+    # ---- io ---------------------------------------------------------------------------------
+
+    def send(self, msg: Any) -> None:
+        self.outbox.send(encode(msg), copy=False)
+
+    def publish(self, now: float, changes: list) -> None:
+        if not changes:
+            return
+        events = self.encoder.events(changes)
+        if not events:
+            return
+        batch = kv_events.KVEventBatch(ts=now, events=events)
+        frames = kv_events.multipart(b"", self.kv_seq, kv_events.encode_batch(batch))
+        self.kv_seq += 1
+        self.kv_pub.send_multipart(frames, copy=False)
+
+    def flush_out(self, now: float, *, force_load: bool = False) -> None:
+        drained = self.core.drain(now, force_load=force_load)
+        self.publish(now, drained.kv_changes)
+        for msg in drained.messages:
+            self.send(msg)
+
+    def handle(self, msg: Any) -> None:
+        now = time.time()
+        if isinstance(msg, Dispatch):
+            self.core.add(msg.req, now)
+        elif isinstance(msg, Abort):
+            self.core.abort(msg.rid, now, msg.reason)
+        elif isinstance(msg, FlushCache):
+            ok = self.core.flush()
+            if ok:
+                self.publish(now, self.core.scheduler.kv.drain_kv_events())
+            self.send(Flushed(self.cfg.wid, msg.token, ok))
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        else:
+            log.warning("worker %d: ignoring %s", self.cfg.wid, type(msg).__name__)
+
+    def recv_all(self, timeout_s: float | None) -> None:
+        """Wait up to ``timeout_s`` (None: forever) for a message, then take all queued ones."""
+        timeout_ms = None if timeout_s is None else max(0, int(timeout_s * 1000))
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                self.handle(decode(frame))
+            except WireError as e:
+                log.error("worker %d: dropped a bad frame: %s", self.cfg.wid, e)
+
+    # ---- loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        core = self.core
+        self.send(
+            Hello(
+                self.cfg.wid,
+                time.time(),
+                os.getpid(),
+                core.scheduler.kv.capacity_tokens,
+                f"sim {self.cfg.gpu} {self.cfg.model}",
+            )
+        )
+        result = None
+        due = 0.0
+        heartbeat = self.cfg.load_interval_s
+        while self.running:
+            now = time.time()
+            if result is None:
+                wait = 0.0 if core.scheduler.has_work() else heartbeat
+            else:
+                wait = max(0.0, due - now)
+            self.recv_all(wait)
+            if not self.running:
+                break
+            now = time.time()
+            if result is not None and now >= due:
+                core.complete(result, now)
+                result = None
+            if result is None:
+                result = core.step(now)
+                if result is not None:
+                    due = now + result.duration_s * self._wall_per_sim
+            self.flush_out(now)
+            if os.getppid() != self.parent:  # the launcher is gone: do not linger
+                log.error("worker %d: parent process exited; stopping", self.cfg.wid)
+                break
+
+    def close(self) -> None:
+        for sock in (self.inbox, self.outbox, self.kv_pub):
+            sock.close()
+
+
+def worker_main(cfg: LiveWorkerConfig) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format=f"%(asctime)s worker{cfg.wid} %(levelname)s %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher shuts us down in order
+    worker = LiveWorker(cfg)
+    try:
+        worker.run()
+    finally:
+        worker.close()
