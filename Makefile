@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 demo: $(STAMP)
-	$(BIN)/python -m sgl_fair.experiment run vtc-dist-shift --quick --out runs/demo
+	$(BIN)/python -m sgl_fair.demo
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_cluster_quality  # noqa: E402
+import bench_live  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sim_speed  # noqa: E402
@@ -38,6 +39,7 @@ def main() -> None:
         "policy_step": bench_policy_step.main(),
         "router": bench_router.main(),
         "cluster_quality": bench_cluster_quality.main([]),
+        "live": bench_live.main(),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)

@@ -470,7 +470,7 @@ def warnings_of(results: Mapping[str, Any]) -> list[str]:
         out.append(
             f"the load generator was CPU-bound (its event loop ran up to "
             f"{row['max_loop_lag_s']:.2f} s late): recorded times are late by up to that; "
-            "try --stream-interval 4 or fewer clients"
+            "try a larger --stream-interval (fewer SSE chunks), a lower rate or fewer clients"
         )
     if row.get("unfinished_calls") or row.get("unsent_calls"):
         out.append(
