@@ -505,6 +505,23 @@ def build_app(
             if err is not None:
                 raise err
 
+    async def until_done(request: HTTPRequest, gens: list[Generation], who: Identity) -> None:
+        """A non-streaming response: wait for every generation, raise the first failure."""
+        try:
+            await run_to_end(request, gens)
+        finally:
+            done_all(gens, who)
+        check_failed(gens)
+
+    def openai_stream(
+        request: HTTPRequest, g: Generation, who: Identity, req: Any, cid: str, created: int,
+        *, chat: bool,
+    ) -> StreamingResponse:  # fmt: skip
+        return StreamingResponse(
+            stream_openai(request, g, who, req, cid, created, chat=chat),
+            media_type="text/event-stream",
+        )
+
     # ---- SGLang-native ------------------------------------------------------------------------
 
     async def generate(request: HTTPRequest) -> Response:
@@ -516,11 +533,7 @@ def build_app(
             return StreamingResponse(
                 stream_generate(request, gens[0], who), media_type="text/event-stream"
             )
-        try:
-            await run_to_end(request, gens)
-        finally:
-            done_all(gens, who)
-        check_failed(gens)
+        await until_done(request, gens, who)
         outs = [
             P.generate_response(
                 g.completion(),
@@ -579,15 +592,8 @@ def build_app(
         created = int(time.time())
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(
-                stream_openai(request, gens[0], who, req, cid, created, chat=False),
-                media_type="text/event-stream",
-            )
-        try:
-            await run_to_end(request, gens)
-        finally:
-            done_all(gens, who)
-        check_failed(gens)
+            return openai_stream(request, gens[0], who, req, cid, created, chat=False)
+        await until_done(request, gens, who)
         return JSON(
             P.completion_response(
                 [g.completion() for g in gens], model=state.model_name, created=created,
@@ -604,15 +610,8 @@ def build_app(
         created = int(time.time())
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(
-                stream_openai(request, gens[0], who, req, cid, created, chat=True),
-                media_type="text/event-stream",
-            )
-        try:
-            await run_to_end(request, gens)
-        finally:
-            done_all(gens, who)
-        check_failed(gens)
+            return openai_stream(request, gens[0], who, req, cid, created, chat=True)
+        await until_done(request, gens, who)
         return JSON(
             P.chat_response(
                 gens[0].completion(), model=state.model_name, created=created, tokenizer=tok,

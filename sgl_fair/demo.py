@@ -47,7 +47,9 @@ def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"demo: the server exited ({proc.returncode}):\n{log_path.read_text()}")
+            raise SystemExit(
+                f"demo: the server exited ({proc.returncode}):\n{log_path.read_text()}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return

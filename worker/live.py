@@ -172,8 +172,8 @@ class LiveWorker:
             now = time.time()
             if result is None:
                 wait = 0.0 if core.scheduler.has_work() else heartbeat
-            else:
-                wait = max(0.0, due - now)
+            else:  # wake at least every heartbeat, so a long step still reports Load
+                wait = min(max(0.0, due - now), heartbeat)
             self.recv_all(wait)
             if not self.running:
                 break

@@ -132,6 +132,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_active(self) -> int:
+        """Requests holding KV for computation: running, being prefilled, or chunked."""
+        active = {id(r) for r in self.running}
+        active.update(id(r) for r in self._in_batch)
+        if self.chunked is not None:
+            active.add(id(self.chunked))
+        return len(active)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 

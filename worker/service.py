@@ -158,7 +158,7 @@ class WorkerCore:
             self.wid,
             now,
             len(sched.waiting),
-            len(sched.running) + (sched.chunked is not None),
+            sched.num_active,
             usage.locked + usage.private,
             usage.cached,
             sched.kv.capacity_tokens,
