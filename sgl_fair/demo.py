@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--router-policy", args.router_policy, "--schedule-policy", args.schedule_policy,
         "--tenants", str(tenants),
     ]  # fmt: skip
-    print("$ " + " ".join(cmd[1:]), flush=True)
+    print("$ python " + " ".join(cmd[1:]), flush=True)
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -264,3 +264,61 @@ def test_client_disconnect_aborts_and_frees_kv(server):
         {k: w[k] for k in ("queue_len", "num_waiting", "num_running", "kv_used_tokens")}
         for w in info["workers"]
     ]
+
+
+def test_loadtest_harness_against_the_live_server(server, tmp_path):
+    """``sgl_fair.loadtest`` end to end against the real server: programs run closed loop,
+    the row and the files come out, and nothing fails."""
+    from sgl_fair.loadtest import LoadTestConfig, run_loadtest
+
+    cfg = LoadTestConfig(
+        url=server.url,
+        workload="judge",
+        scenario="s1",
+        clients=2,
+        duration_s=3.0,
+        rate=0.5,
+        out=tmp_path / "lt",
+        stream_interval=4,
+    )
+    res = run_loadtest(cfg)
+    row, totals = res["row"], res["totals"]
+    assert totals["calls_ok"] > 0 and totals["calls_failed"] == 0, res["errors"]
+    assert row["dp"] == 2 and row["policy"] == "D2LPM"
+    assert row["num_calls"] == totals["calls_ok"]
+    assert (tmp_path / "lt" / "results.json").exists()
+    assert (tmp_path / "lt" / "requests.jsonl").read_text().count("\n") == row["num_calls"]
+    # Judge calls share their article: the workers' caches served part of the prompts.
+    assert row["cache_hit_rate"] > 0
+
+
+def test_abort_request_by_rid(server):
+    import threading
+
+    out = {}
+
+    def long_call():
+        out["r"] = httpx.post(
+            server.url + "/generate",
+            json={
+                "text": "abort me",
+                "rid": "to-abort-1",
+                "sampling_params": {"max_new_tokens": 5000},
+            },
+            timeout=60,
+        )
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    for _ in range(50):
+        if server.info()["in_flight"]:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    r = httpx.post(server.url + "/abort_request", json={"rid": "to-abort-1"}, timeout=10)
+    assert r.status_code == 200 and r.json()["aborted"] == 1
+    t.join(30)
+    body = out["r"].json()
+    assert body["meta_info"]["finish_reason"]["type"] == "abort", body
+    assert len(body["output_ids"]) < 5000
+    bad = httpx.post(server.url + "/abort_request", json={"rid": 5}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
