@@ -159,9 +159,19 @@ class RouterService:
         self._tasks.append(loop.create_task(self._watch_loop(), name="router-watch"))
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until every worker said Hello; raise TimeoutError naming the missing ones."""
+        """Wait until every worker said Hello; raise TimeoutError naming the missing ones, or
+        RuntimeError at once when a worker process exits before it is up."""
+        deadline = self.clock() + timeout_s
         try:
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
+            while not self.ready.is_set():
+                failed = {w.wid: w.death for w in self.workers.values() if w.death}
+                if failed:
+                    raise RuntimeError(f"workers failed to start: {failed}")
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.ready.wait(), min(remaining, 0.25))
         except asyncio.TimeoutError:
             missing = [w.wid for w in self.workers.values() if not w.ever_ready]
             dead = {w.wid: w.death for w in self.workers.values() if w.death}

@@ -284,6 +284,11 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
     import uvicorn
 
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional (not on Windows): plain asyncio then
+        uvloop = None
+
     from sgl_fair.router.server import ServerState, build_app
     from sgl_fair.router.tokenizer import load_tokenizer
 
@@ -315,24 +320,16 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
                     with open(ready_file, "w") as f:
                         f.write(url)
 
-    async def on_startup() -> None:
-        await state.service.start()
-        procs.start(state.worker_configs())
-        for i, proc in enumerate(procs.procs):
-            state.service.watch_process(i, proc)
-        await state.service.wait_ready(cfg.startup_timeout_s)
-
     async def on_shutdown() -> None:
         await state.service.close()
         await asyncio.get_running_loop().run_in_executor(None, procs.stop)
 
-    app = build_app(state, on_startup=on_startup, on_shutdown=on_shutdown)
+    app = build_app(state, on_shutdown=on_shutdown)
     server = Server(
         uvicorn.Config(
             app,
             host=cfg.host,
             port=cfg.port,
-            loop="uvloop",
             http="httptools",
             lifespan="on",
             log_level=cfg.log_level,
@@ -340,12 +337,28 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
             timeout_graceful_shutdown=5,
         )
     )
+
+    async def run() -> int:
+        # Workers first, outside uvicorn: a start-up failure is one line, not a traceback.
+        await state.service.start()
+        procs.start(state.worker_configs())
+        for i, proc in enumerate(procs.procs):
+            state.service.watch_process(i, proc)
+        try:
+            await state.service.wait_ready(cfg.startup_timeout_s)
+        except (TimeoutError, RuntimeError) as e:
+            print(f"launch: error: {e}", file=sys.stderr)
+            await state.service.close()
+            return 1
+        await server.serve()
+        return 0 if server.started else 1
+
     try:
-        server.run()
+        runner = getattr(uvloop, "run", None) if uvloop is not None else None
+        return runner(run()) if runner is not None else asyncio.run(run())
     finally:
         procs.stop()
         shutil.rmtree(ipc_dir, ignore_errors=True)
-    return 0 if server.started else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
