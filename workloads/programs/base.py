@@ -317,6 +317,39 @@ class Program:
 # Helpers for the program kinds
 
 
+class GeneratedProgram(Program):
+    """A program drawn from a frozen ``Config`` and a seed, as every built-in kind is.
+
+    Construction is shared here (the config default, three independent random streams — see
+    :func:`program_rngs` — and the client's shared header seed); a kind implements ``plan``,
+    which returns its calls in topological order.
+    """
+
+    Config: ClassVar[type]
+
+    def __init__(
+        self,
+        program_id: str,
+        client: str,
+        *,
+        start_s: float,
+        seed: int,
+        well_behaved: bool = True,
+        shared_seed: int = 0,
+        config: Any = None,
+    ) -> None:
+        self.config = config if config is not None else self.Config()
+        calls = self.plan(self.config, client, program_rngs(seed, 3), shared_seed)
+        super().__init__(
+            program_id, client, start_s=start_s, well_behaved=well_behaved, calls=calls
+        )
+
+    def plan(
+        self, cfg: Any, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
+    ) -> list[CallPlan]:
+        raise NotImplementedError
+
+
 def draw_tokens(rng: np.random.Generator, n: int) -> Tokens:
     return tuple(rng.integers(0, VOCAB_SIZE, n, dtype=np.int64).tolist())
 

@@ -27,19 +27,21 @@ in all of which ~0.3k are new with a warm cache (the user messages).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..lengths import LengthDist, LogNormal
 from .base import (
     CallPlan,
+    GeneratedProgram,
     Out,
-    Program,
     PromptOf,
     check_int,
     check_length,
     check_real,
     draw_tokens,
-    program_rngs,
     register_program,
     sample_lens,
     shared_tokens,
@@ -67,22 +69,13 @@ class ChatConfig:
 
 
 @register_program("chat")
-class Chat(Program):
+class Chat(GeneratedProgram):
     Config = ChatConfig
 
-    def __init__(
-        self,
-        program_id: str,
-        client: str,
-        *,
-        start_s: float,
-        seed: int,
-        well_behaved: bool = True,
-        shared_seed: int = 0,
-        config: ChatConfig | None = None,
-    ) -> None:
-        cfg = config if config is not None else ChatConfig()
-        rng_len, rng_tok, rng_time = program_rngs(seed, 3)
+    def plan(
+        self, cfg: ChatConfig, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
+    ) -> list[CallPlan]:
+        rng_len, rng_tok, rng_time = rngs
         system = shared_tokens(self.kind, client, cfg.system_len, shared_seed=shared_seed)
         num_turns = min(int(rng_len.geometric(1.0 / cfg.mean_turns)), cfg.max_turns)
         user_lens = sample_lens(cfg.user_len, num_turns, rng_len)
@@ -98,7 +91,4 @@ class Chat(Program):
             prev = calls[-1].node
             parts = (PromptOf(prev), Out(prev), user)
             calls.append(CallPlan(f"turn{i + 1}", (prev,), parts, reply_lens[i], think_s[i]))
-        super().__init__(
-            program_id, client, start_s=start_s, well_behaved=well_behaved, calls=calls
-        )
-        self.config = cfg
+        return calls

@@ -31,19 +31,21 @@ prompt, 3.3k prompt tokens in all (1.1k new), 450 output tokens. 16 dimensions: 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..lengths import LengthDist, Uniform
 from .base import (
     CallPlan,
+    GeneratedProgram,
     Out,
     Part,
-    Program,
     check_int,
     check_length,
     draw_diverging,
     draw_tokens,
-    program_rngs,
     register_program,
     sample_len,
     sample_lens,
@@ -77,22 +79,13 @@ class JudgeConfig:
 
 
 @register_program("judge")
-class Judge(Program):
+class Judge(GeneratedProgram):
     Config = JudgeConfig
 
-    def __init__(
-        self,
-        program_id: str,
-        client: str,
-        *,
-        start_s: float,
-        seed: int,
-        well_behaved: bool = True,
-        shared_seed: int = 0,
-        config: JudgeConfig | None = None,
-    ) -> None:
-        cfg = config if config is not None else JudgeConfig()
-        rng_len, rng_tok, rng_extra = program_rngs(seed, 3)
+    def plan(
+        self, cfg: JudgeConfig, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
+    ) -> list[CallPlan]:
+        rng_len, rng_tok, rng_extra = rngs
         header = shared_tokens(self.kind, client, cfg.header_len, shared_seed=shared_seed)
         extra = draw_tokens(rng_extra, cfg.extra_prefix)
         context = header + extra + draw_tokens(rng_tok, sample_len(cfg.article_len, rng_len))
@@ -114,7 +107,4 @@ class Judge(Program):
         calls.append(
             CallPlan("merge", tuple(dims), tuple(parts), sample_len(cfg.verdict_len, rng_len))
         )
-        super().__init__(
-            program_id, client, start_s=start_s, well_behaved=well_behaved, calls=calls
-        )
-        self.config = cfg
+        return calls

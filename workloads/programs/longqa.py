@@ -27,18 +27,20 @@ cache), 240 output tokens. S2: ~17k-token prompts, 102k prompt tokens (17k new).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..lengths import LengthDist, Uniform
 from .base import (
     CallPlan,
-    Program,
+    GeneratedProgram,
     check_int,
     check_length,
     check_real,
     draw_diverging,
     draw_tokens,
-    program_rngs,
     register_program,
     sample_len,
     sample_lens,
@@ -65,22 +67,13 @@ class LongQAConfig:
 
 
 @register_program("longqa")
-class LongQA(Program):
+class LongQA(GeneratedProgram):
     Config = LongQAConfig
 
-    def __init__(
-        self,
-        program_id: str,
-        client: str,
-        *,
-        start_s: float,
-        seed: int,
-        well_behaved: bool = True,
-        shared_seed: int = 0,
-        config: LongQAConfig | None = None,
-    ) -> None:
-        cfg = config if config is not None else LongQAConfig()
-        rng_len, rng_tok, rng_doc = program_rngs(seed, 3)
+    def plan(
+        self, cfg: LongQAConfig, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
+    ) -> list[CallPlan]:
+        rng_len, rng_tok, rng_doc = rngs
         header = shared_tokens(self.kind, client, cfg.header_len, shared_seed=shared_seed)
         self.document_len = max(1, round(sample_len(cfg.document_len, rng_len) * cfg.doc_scale))
         context = header + draw_tokens(rng_doc, self.document_len)
@@ -93,7 +86,4 @@ class LongQA(Program):
             CallPlan(f"q{i}", (), (context, question), out_len)
             for i, (question, out_len) in enumerate(zip(questions, answer_lens, strict=True))
         ]
-        super().__init__(
-            program_id, client, start_s=start_s, well_behaved=well_behaved, calls=calls
-        )
-        self.config = cfg
+        return calls

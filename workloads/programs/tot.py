@@ -32,19 +32,21 @@ cache keeps each parent's prompt + thought. b=4: 340 calls, 245k prompt tokens (
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..lengths import LengthDist, Uniform
 from .base import (
     CallPlan,
+    GeneratedProgram,
     Out,
-    Program,
     PromptOf,
     check_int,
     check_length,
     draw_diverging,
     draw_tokens,
-    program_rngs,
     register_program,
     sample_len,
     sample_lens,
@@ -84,22 +86,13 @@ class ToTConfig:
 
 
 @register_program("tot")
-class ToT(Program):
+class ToT(GeneratedProgram):
     Config = ToTConfig
 
-    def __init__(
-        self,
-        program_id: str,
-        client: str,
-        *,
-        start_s: float,
-        seed: int,
-        well_behaved: bool = True,
-        shared_seed: int = 0,
-        config: ToTConfig | None = None,
-    ) -> None:
-        cfg = config if config is not None else ToTConfig()
-        rng_len, rng_tok, rng_extra = program_rngs(seed, 3)
+    def plan(
+        self, cfg: ToTConfig, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
+    ) -> list[CallPlan]:
+        rng_len, rng_tok, rng_extra = rngs
         header = shared_tokens(self.kind, client, cfg.header_len, shared_seed=shared_seed)
         extra = draw_tokens(rng_extra, sample_len(cfg.extra_question_len, rng_extra))
         question = header + extra + draw_tokens(rng_tok, sample_len(cfg.question_len, rng_len))
@@ -123,7 +116,4 @@ class ToT(Program):
                     calls.append(CallPlan(node, parents, parts, out_len))
                     next_frontier.append(node)
             frontier = next_frontier
-        super().__init__(
-            program_id, client, start_s=start_s, well_behaved=well_behaved, calls=calls
-        )
-        self.config = cfg
+        return calls
