@@ -1,7 +1,7 @@
-"""A name → class registry for policies built from a ``Config`` dataclass.
+"""A name → class registry for classes built from a ``Config`` dataclass.
 
-Local policies (``sgl_fair.policies``) and router policies (``sgl_fair.router.policies``)
-each keep one::
+Local policies (``sgl_fair.policies``), router policies (``sgl_fair.router.policies``) and
+program kinds (``sgl_fair.workloads.programs``) each keep one::
 
     POLICIES = Registry("policy", load=_import_builtin_modules)
 
@@ -17,23 +17,28 @@ importing the registry never imports every policy.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
 class Registry:
-    def __init__(self, kind: str, *, load: Callable[[], None]) -> None:
+    """``attr``: the class attribute that receives the registered name (``cls.name``)."""
+
+    def __init__(
+        self, kind: str, *, load: Callable[[], None] | None = None, attr: str = "name"
+    ) -> None:
         self.kind = kind
-        self._load = load
+        self._load = load or (lambda: None)
+        self._attr = attr
         self._classes: dict[str, type] = {}
 
     def register(self, name: str) -> Callable[[type], type]:
-        """Class decorator: files the class under ``name`` and sets ``cls.name``."""
+        """Class decorator: files the class under ``name`` and sets ``cls.<attr>``."""
 
         def deco(cls: type) -> type:
             if name in self._classes:
                 raise ValueError(f"{self.kind} {name!r} registered twice")
-            cls.name = name
+            setattr(cls, self._attr, name)
             self._classes[name] = cls
             return cls
 
@@ -42,6 +47,13 @@ class Registry:
     def names(self) -> list[str]:
         self._load()
         return sorted(self._classes)
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return name in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
 
     def get(self, name: str) -> type:
         self._load()
@@ -52,8 +64,8 @@ class Registry:
                 f"unknown {self.kind} {name!r}; choose one of: {', '.join(sorted(self._classes))}"
             ) from None
 
-    def make(self, name: str, **options: Any) -> Any:
-        """Build ``name`` with ``Config(**options)``; unknown options raise a ValueError."""
+    def config(self, name: str, **options: Any) -> Any:
+        """``name``'s ``Config(**options)``; unknown options raise a one-line ValueError."""
         cls = self.get(name)
         fields = {f.name for f in dataclasses.fields(cls.Config)}
         unknown = sorted(set(options) - fields)
@@ -62,4 +74,8 @@ class Registry:
                 f"{self.kind} {name!r} has no option {unknown[0]!r}; "
                 f"options: {', '.join(sorted(fields)) or '(none)'}"
             )
-        return cls(cls.Config(**options))
+        return cls.Config(**options)
+
+    def make(self, name: str, **options: Any) -> Any:
+        """Build ``name`` with ``Config(**options)``; unknown options raise a ValueError."""
+        return self.get(name)(self.config(name, **options))

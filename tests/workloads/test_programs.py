@@ -340,7 +340,7 @@ def test_foreign_duplicate_and_short_finishes_raise():
 def test_make_program_rejects_unknown_kinds_and_params():
     with pytest.raises(ValueError, match="unknown program kind 'mcts'"):
         make_program("mcts", "p", "c", start_s=0, seed=0)
-    with pytest.raises(ValueError, match="unknown param 'branch'"):
+    with pytest.raises(ValueError, match="has no option 'branch'"):
         make_program("tot", "p", "c", start_s=0, seed=0, branch=3)
     with pytest.raises(ValueError, match="'branches'"):
         make_program("tot", "p", "c", start_s=0, seed=0, branches=0)

@@ -37,11 +37,12 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
+from sgl_fair.registry import Registry
 from sgl_fair.request import Request
 
 from ..lengths import LengthDist, as_length_dist
@@ -429,40 +430,21 @@ def sample_lens(dist: LengthDist, n: int, rng: np.random.Generator) -> list[int]
 # Registry
 
 
-PROGRAMS: dict[str, type[Program]] = {}
+# Program kinds by name; ``cls.kind`` is set by the decorator.
+PROGRAMS = Registry("program kind", attr="kind")
 
 
 def register_program(kind: str) -> Callable[[type[Program]], type[Program]]:
-    def deco(cls: type[Program]) -> type[Program]:
-        if kind in PROGRAMS:
-            raise ValueError(f"program kind {kind!r} registered twice")
-        cls.kind = kind
-        PROGRAMS[kind] = cls
-        return cls
-
-    return deco
+    return PROGRAMS.register(kind)
 
 
 def make_config(kind: str, params: dict[str, Any]) -> Any:
     """The kind's frozen config from ``params``; ValueError naming an unknown field."""
-    cls = program_class(kind)
-    config_cls = cls.Config  # type: ignore[attr-defined]
-    known = [f.name for f in fields(config_cls)]
-    for name in params:
-        if name not in known:
-            raise ValueError(
-                f"program kind {kind!r}: unknown param {name!r} (known: {', '.join(known)})"
-            )
-    return config_cls(**params)
+    return PROGRAMS.config(kind, **params)
 
 
 def program_class(kind: str) -> type[Program]:
-    try:
-        return PROGRAMS[kind]
-    except KeyError:
-        raise ValueError(
-            f"unknown program kind {kind!r} (known: {', '.join(sorted(PROGRAMS))})"
-        ) from None
+    return PROGRAMS.get(kind)
 
 
 def make_program(
