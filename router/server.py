@@ -345,6 +345,11 @@ class Generation:
         if call is None or call.finished is not None or call.error is None:
             fin = call.finished if call is not None else None
             if fin is not None and fin.reason is FinishReason.REJECTED:
+                if fin.retry_after_s is not None:  # admission control: try again later
+                    return P.ProtocolError(
+                        429, f"request refused by the scheduler: {fin.error}", None,
+                        retry_after_s=fin.retry_after_s,
+                    )  # fmt: skip
                 return P.ProtocolError(400, f"request rejected by the scheduler: {fin.error}", None)
             return None
         status = call.error_status if call.error_status >= 500 else 503

@@ -377,7 +377,8 @@ class RouterService:
 
     def _account(self, call: Call, msg: Finished, now: float) -> None:
         if msg.reason is FinishReason.REJECTED:
-            self.telemetry.rejected(call.tenant, "worker")
+            why = "admission" if msg.retry_after_s is not None else "capacity"
+            self.telemetry.rejected(call.tenant, why)
             return
         outcome = "ok" if msg.ok else ("stopped" if call.aborted == "stop" else "aborted")
         self.telemetry.finished(

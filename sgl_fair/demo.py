@@ -28,11 +28,11 @@ from pathlib import Path
 
 CLIENTS = 4
 GPU, MODEL = "H100-80GB", "Llama-3.1-8B"
-# Programs per second per client = the workload's base rate x dp x RATE_SCALE. At 2.5 on four
+# Programs per second per client = the workload's base rate x dp x RATE_SCALE. At 2.0 on four
 # simulated H100s the cluster runs near capacity, c0's long prefixes would take the lion's share
 # of prefill under plain locality, and the load generator still fits on 2 CPU cores.
-RATE_SCALE = 2.5
-STREAM_INTERVAL = 16  # SSE chunk every 16 tokens: keeps the load generator off the CPU's limit
+RATE_SCALE = 2.0
+STREAM_INTERVAL = 32  # SSE chunk every 32 tokens: keeps the load generator off the CPU's limit
 
 
 def _free_port() -> int:

@@ -68,6 +68,8 @@ class Finished(msgspec.Struct, frozen=True, gc=False):
     input_logprobs: tuple[float | None, ...] | None = None
     output_logprobs: tuple[float, ...] | None = None
     output_top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None = None
+    # REJECTED by a policy's admission control: when to retry (None: it can never run there).
+    retry_after_s: float | None = None
 
     @property
     def input_len(self) -> int:

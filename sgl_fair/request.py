@@ -88,6 +88,9 @@ class Request:
     finish_s: float | None = None
     num_retractions: int = 0
     reject_reason: str | None = None
+    # Set when a policy's admission control refused the request for now (HTTP 429 + Retry-After
+    # in serving); None for a request that can never run here (HTTP 400).
+    reject_retry_after_s: float | None = None
     abort_reason: str | None = None
     # Arrival tie-breaker: a process-wide sequence number, so orders are total and stable.
     seq: int = field(default_factory=lambda: next(_seq))

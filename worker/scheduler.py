@@ -158,6 +158,7 @@ class Scheduler:
         if rejection is not None:
             req.phase = Phase.REJECTED
             req.reject_reason = rejection.reason
+            req.reject_retry_after_s = rejection.retry_after_s
             self.log.done.append(req)
             return rejection
         req.phase = Phase.WAITING

@@ -188,4 +188,5 @@ class WorkerCore:
             lp.input if lp is not None else None,
             lp.output if lp is not None else None,
             lp.output_top if lp is not None else None,
+            req.reject_retry_after_s,
         )

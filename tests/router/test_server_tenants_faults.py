@@ -160,3 +160,22 @@ def test_killed_worker_loses_no_request(tmp_path):
             assert r.status_code == 200
         info = s.info()
         assert info["workers"][0]["queue_len"] == 0 and info["workers"][1]["alive"]
+
+
+def test_local_admission_control_is_429_with_retry_after(tmp_path):
+    """RPM's refusal travels worker -> router -> client as 429 + Retry-After (not 400)."""
+    args = ("--dp", "1", "--schedule-policy", "rpm", "--schedule-policy-opt", "limit=2")
+    with launched(*args, "--time-scale", "inf", tmp_path=tmp_path) as s:
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+        hdr = {"X-Client-Id": "eager"}
+        codes = [
+            httpx.post(s.url + "/generate", json=body, headers=hdr, timeout=30) for _ in range(3)
+        ]
+        assert [r.status_code for r in codes] == [200, 200, 429], [r.text for r in codes]
+        err = codes[2].json()["error"]
+        assert err["type"] == "rate_limit_error" and "exceeded 2 requests" in err["message"]
+        assert int(codes[2].headers["Retry-After"]) >= 1
+        other = httpx.post(s.url + "/generate", json=body, headers={"X-Client-Id": "calm"})
+        assert other.status_code == 200  # per client
+        metrics = httpx.get(s.url + "/metrics", timeout=10).text
+        assert _metric(metrics, "sgl_fair_tenant_rejections_total", tenant="eager") == 1
