@@ -23,7 +23,6 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from sgl_fair.metrics import percentiles
 
 N_LATENCY = 2000
 CONCURRENCY = 64
@@ -65,11 +66,6 @@ class Server:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(30)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
 def http_latencies(url: str, n: int) -> list[float]:
@@ -181,11 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
         via = http_latencies(srv.url, N_LATENCY)
     finally:
         srv.stop()
+    d, v = percentiles(direct), percentiles(via)
     res["latency"] = {
-        "direct_zmq_p50_ms": 1e3 * statistics.median(direct),
-        "via_router_http_p50_ms": 1e3 * statistics.median(via),
-        "via_router_http_p99_ms": 1e3 * _pct(via, 99),
-        "overhead_p50_ms": 1e3 * (statistics.median(via) - statistics.median(direct)),
+        "direct_zmq_p50_ms": 1e3 * d[50],
+        "via_router_http_p50_ms": 1e3 * v[50],
+        "via_router_http_p99_ms": 1e3 * v[99],
+        "overhead_p50_ms": 1e3 * (v[50] - d[50]),
         "target_p50_ms": 1.0,
     }
     srv = Server("--dp", "2", "--time-scale", "inf")
