@@ -3,8 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SGL_STAMP := $(VENV)/.sglang-cpu
+SGL_REQ := requirements/sglang-cpu.txt
+SGL_CONSTRAINTS := requirements/sglang-cpu-constraints.txt
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup sglang-cpu test demo bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,8 +17,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest tests
+# SGLang 0.5.23's scheduler-side modules on CPU (torch CPU build + sglang --no-deps), for the
+# plugin's tests; a GPU install is `pip install -e '.[sglang]'` instead (README).
+$(SGL_STAMP): $(STAMP) $(SGL_REQ) $(SGL_CONSTRAINTS)
+	$(BIN)/python -m pip install -q -c $(SGL_CONSTRAINTS) -r $(SGL_REQ) -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
+	touch $(SGL_STAMP)
+
+sglang-cpu: $(SGL_STAMP)
+
+test: $(STAMP) $(SGL_STAMP)
+	SGLFAIR_REQUIRE_SGLANG=1 $(BIN)/python -m pytest tests
 
 demo: $(STAMP)
 	$(BIN)/python -m sgl_fair.demo

@@ -1,0 +1,351 @@
+"""The plugin inside SGLang's real admission code: same order as the pure policy, same counters.
+
+Every admission here runs SGLang 0.5.23's own ``Scheduler._get_new_batch_prefill_raw`` (see
+``sglang_rig.py``) with its real ``Req``, ``RadixCache`` and ``PrefillAdder``, the plugin's hooks
+applied through SGLang's ``HookRegistry``. The reference is the pure policy's own walk
+(``reference_order``): the calls our scheduler makes when every request fits.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
+from sglang_rig import Rig, make_req
+
+from sgl_fair.policies import make_policy
+from sgl_fair.radix import RadixTree
+from sgl_fair.request import Request
+from sgl_fair.worker.sglang import plugin
+from sgl_fair.worker.sglang.settings import PluginSettings
+
+POLICIES = {
+    "dlpm": {"quantum": 300},
+    "vtc": {},
+    "lcf": {},
+    "lpm": {},
+    "fcfs": {},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hooks(monkeypatch_module):
+    """Register and apply the plugin's hooks, as SGLang's load_plugins() does."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for k, v in PluginSettings("vtc", {}).env().items():
+        monkeypatch_module.setenv(k, v)
+    plugin._settings = None
+    plugin.register()
+    HookRegistry.apply_hooks()
+    yield
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def fair_rig(policy: str, opts: dict, **rig_kwargs) -> Rig:
+    rig = Rig(**rig_kwargs)
+    plugin.install_policy(rig.scheduler, PluginSettings(policy, opts))
+    return rig
+
+
+class RefView:
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+        self.now = 0.0
+        self.running = ()
+
+    def prefix_len(self, req: Request) -> int:
+        return self.tree.match(req.input_ids).length
+
+
+def reference_order(policy, waiting: list[Request], tree: RadixTree, limit: int | None = None):
+    """The pure policy's admission walk: pull, charge the extend tokens, pull the next."""
+    view = RefView(tree)
+    out: list[Request] = []
+    walk = policy.order(waiting, view)
+    for req in walk:
+        if limit is not None and len(out) == limit:
+            break
+        cached = min(view.prefix_len(req), req.input_len - 1)
+        out.append(req)
+        policy.on_admitted(req, req.input_len - cached)
+    getattr(walk, "close", lambda: None)()
+    return out
+
+
+def workload(n: int, seed: int, clients=("a", "b", "c", "flood")):
+    """Prompts from shared documents (so prefixes matter) by clients of unequal volume."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(1000, 30000) for _ in range(rng.randint(20, 200))] for _ in range(6)]
+    out = []
+    for _ in range(n):
+        client = rng.choice(clients + ("flood",) * 3)
+        doc = rng.choice(docs)
+        tail = [rng.randrange(30000, 32000) for _ in range(rng.randint(5, 60))]
+        out.append((client, doc[: rng.randint(10, len(doc))] + tail))
+    return docs, out
+
+
+def setup_pair(policy: str, opts: dict, n: int, seed: int, **rig_kwargs):
+    """The same state on both sides: cached documents, queued requests, per-client history."""
+    docs, reqs = workload(n, seed)
+    rig = fair_rig(policy, opts, **rig_kwargs)
+    fair = rig.scheduler.policy
+    pure = make_policy(policy, **opts)
+    tree = RadixTree()
+    for doc in docs[:4]:
+        rig.cache(doc)
+        tree.insert(tuple(doc))
+    # History: 'flood' was served a lot already (admitted and decoded), 'a' a little.
+    for client, k in (("flood", 3), ("a", 1)):
+        for j in range(k):
+            ids = [7 + j] * 400
+            s = make_req(ids, client)
+            fair.ledger.arrived(s)
+            m = Request(s.rid, client, tuple(ids), 16, 0.0)
+            pure.on_arrival(m, 0.0)
+            fair.ledger.admitted(s, 400)
+            pure.on_admitted(m, 400)
+            s.output_ids.extend([5] * 16)
+            s.finished_reason = FINISH_LENGTH(16)
+            fair.after_batch(SimpleNamespace(reqs=[s]))
+            m.output_ids.extend([5] * 16)
+            pure.on_tokens(m, 16)
+            pure.on_finished(m)
+    mirrors = []
+    for i, (client, ids) in enumerate(reqs):
+        s = make_req(ids, client, rid=f"w{i}")
+        rig.queue(s)
+        m = Request(s.rid, client, tuple(ids), 16, float(i))
+        pure.on_arrival(m, float(i))
+        mirrors.append(m)
+    return rig, pure, tree, mirrors
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("n", [40, 300])
+def test_admission_order_matches_the_pure_policy(policy, n):
+    """All fit: SGLang admits every waiting request, in exactly the pure policy's order —
+    also above 128 waiting, where SGLang's own LPM would fall back to FCFS."""
+    big = 1 << 21
+    rig, pure, tree, mirrors = setup_pair(
+        policy, POLICIES[policy], n, seed=n, kv_tokens=big, max_prefill_tokens=big,
+        chunked_prefill_size=big,
+    )  # fmt: skip
+    admitted = rig.admit()
+    expected = reference_order(pure, mirrors, tree)
+    assert [r.rid for r in admitted] == [m.rid for m in expected]
+    assert not rig.scheduler.waiting_queue
+    fair = rig.scheduler.policy
+    assert fair.num_resyncs == 0
+    # Same counters after the walk's charges.
+    state = getattr(pure, "counters", None) or getattr(pure, "deficits", None)
+    if state is not None:
+        got = getattr(fair.fair, "counters", None) or getattr(fair.fair, "deficits", None)
+        assert got == pytest.approx(state)
+
+
+@pytest.mark.parametrize("policy", ["dlpm", "vtc"])
+def test_a_budget_admits_a_prefix_of_the_pure_order(policy):
+    """With a prefill budget SGLang stops early: what it admits is the head of our order
+    (the last one may be chunked), and the rest stays queued for the next walk."""
+    rig, pure, tree, mirrors = setup_pair(
+        policy, POLICIES[policy], 200, seed=7, max_prefill_tokens=3000, chunked_prefill_size=3000
+    )
+    admitted = rig.admit()
+    assert 1 <= len(admitted) < 200
+    expected = reference_order(pure, mirrors, tree, limit=len(admitted))
+    assert [r.rid for r in admitted] == [m.rid for m in expected]
+    assert len(rig.scheduler.waiting_queue) == 200 - len(admitted)
+
+
+def test_sglang_lpm_degrades_to_fcfs_above_128_and_ours_does_not():
+    """The difference is real: with 200 waiting, SGLang's own LPM admits in arrival order,
+    the plugin's LPM puts the longest cached prefixes first."""
+    big = 1 << 21
+    kw = dict(kv_tokens=big, max_prefill_tokens=big, chunked_prefill_size=big)
+    docs, reqs = workload(200, seed=3)
+    plain = Rig(policy="lpm", **kw)
+    ours = fair_rig("lpm", {}, **kw)
+    for rig in (plain, ours):
+        for doc in docs[:4]:
+            rig.cache(doc)
+        for i, (client, ids) in enumerate(reqs):
+            rig.queue(make_req(ids, client, rid=f"q{i}"))
+    arrival = [f"q{i}" for i in range(200)]
+    assert [r.rid for r in plain.admit()] == arrival
+    got = ours.admit()
+    lens = [r.prefix_len for r in got]
+    assert [r.rid for r in got] != arrival
+    assert lens == sorted(lens, reverse=True)
+
+
+def test_client_id_comes_from_routing_key_not_extra_key():
+    rig = fair_rig("vtc", {})
+    fair = rig.scheduler.policy
+    s = make_req([1, 2, 3], "alice")
+    s.extra_key = "tenant-cache-partition"
+    fair.ledger.arrived(s)
+    assert fair.ledger.mirror(s).client == "alice"
+    anon = make_req([1, 2, 3], None)
+    fair.ledger.arrived(anon)
+    assert fair.ledger.mirror(anon).client == "default"
+
+
+# ---- accounting -------------------------------------------------------------------------------
+
+
+class PureSide:
+    """The calls our simulator's scheduler makes on its policy, event by event."""
+
+    def __init__(self, policy: str, opts: dict) -> None:
+        self.policy = make_policy(policy, **opts)
+        self.reqs: dict[str, Request] = {}
+        self.tree = RadixTree()  # what the worker has cached
+
+    def arrive(self, rid, ids, client, t):
+        m = Request(rid, client, tuple(ids), 64, t)
+        self.reqs[rid] = m
+        self.policy.on_arrival(m, t)
+
+    def walk(self, rids, extend_of) -> list[str]:
+        """One admission walk over ``rids`` (all fit), as the scheduler runs it."""
+        out = []
+        walk = self.policy.order([self.reqs[r] for r in rids], RefView(self.tree))
+        for m in walk:
+            out.append(m.rid)
+            self.policy.on_admitted(m, extend_of[m.rid] if m.num_retractions == 0 else 0)
+        return out
+
+    def tokens(self, rid, n):
+        m = self.reqs[rid]
+        for _ in range(n):  # the simulator emits one token at a time
+            m.output_ids.append(1)
+            self.policy.on_tokens(m, 1)
+
+    def finish(self, rid):
+        self.policy.on_finished(self.reqs.pop(rid))
+
+    def abort(self, rid, waiting):
+        self.policy.on_aborted(self.reqs.pop(rid), waiting)
+
+    def retract(self, rid):
+        m = self.reqs[rid]
+        m.num_retractions += 1
+        self.policy.on_retracted(m)
+
+
+def counters(policy) -> dict:
+    for name in ("counters", "deficits"):
+        if hasattr(policy, name):
+            return dict(getattr(policy, name))
+    raise AssertionError("policy keeps no counters")
+
+
+@pytest.mark.parametrize("policy,opts", [("vtc", {}), ("dlpm", {"quantum": 50}), ("lcf", {})])
+def test_accounting_hooks_charge_what_the_simulator_charges(policy, opts):
+    """A scripted life: arrivals, admissions through SGLang's loop (prefix hits), decode steps
+    of 1 and of several tokens (speculative decoding), a finish, an abort while queued, an
+    abort while running, and a retraction with re-admission (not charged twice)."""
+    rig = fair_rig(policy, opts, max_prefill_tokens=100_000)
+    fair = rig.scheduler.policy
+    pure = PureSide(policy, opts)
+    rig.cache(list(range(30)))  # a's prompts share 30 cached tokens
+    pure.tree.insert(tuple(range(30)))
+
+    def check():
+        assert counters(fair.fair) == pytest.approx(counters(pure.policy)), "counters diverged"
+
+    sreqs = {}
+    for rid, client, n in (("a1", "a", 80), ("b1", "b", 50), ("a2", "a", 60), ("b2", "b", 20)):
+        first = 0 if client == "a" else 1000
+        s = make_req(list(range(first, first + n)), client, max_new_tokens=64, rid=rid)
+        sreqs[rid] = s
+        pure.arrive(rid, s.origin_input_ids, client, 0.0)
+    for rid in ("a1", "b1", "a2"):
+        rig.queue(sreqs[rid])
+    admitted = rig.admit()
+    extend = {r.rid: len(r.full_untruncated_fill_ids) - r.prefix_len for r in admitted}
+    assert [r.rid for r in admitted] == pure.walk(["a1", "b1", "a2"], extend)
+    assert sreqs["a1"].prefix_len == 30 and sreqs["b1"].prefix_len == 0
+    check()
+    running = list(admitted)
+    rig.queue(sreqs["b2"])
+    for step_tokens in (1, 1, 3, 1, 4):  # decode steps; 3 and 4: accepted draft tokens
+        for r in running:
+            r.output_ids.extend([9] * step_tokens)
+            pure.tokens(r.rid, step_tokens)
+        fair.after_batch(SimpleNamespace(reqs=running))
+        check()
+    # a2 finishes; b1 is aborted mid-decode (SGLang's abort finish reason, one more token)
+    sreqs["a2"].finished_reason = FINISH_LENGTH(10)
+    sreqs["b1"].output_ids.append(9)
+    pure.tokens("b1", 1)
+    sreqs["b1"].finished_reason = FINISH_ABORT("client went away")
+    fair.after_batch(SimpleNamespace(reqs=running))
+    pure.finish("a2")
+    pure.abort("b1", waiting=False)
+    check()
+    running = [sreqs["a1"]]
+    # b2, still queued, is aborted (Scheduler.abort_request pops it from the queue)
+    rig.scheduler.waiting_queue.remove(sreqs["b2"])
+    plugin._after_abort(None, rig.scheduler, SimpleNamespace(rid="b2"))
+    pure.abort("b2", waiting=True)
+    check()
+    # a1 is retracted under memory pressure, then re-admitted: no second input charge
+    fair.after_retract([sreqs["a1"]], [])
+    pure.retract("a1")
+    rig.queue(sreqs["a1"])
+    assert [r.rid for r in rig.admit()] == ["a1"] == pure.walk(["a1"], {"a1": 0})
+    check()
+    sreqs["a1"].output_ids.extend([9, 9])
+    pure.tokens("a1", 2)
+    sreqs["a1"].finished_reason = FINISH_LENGTH(14)
+    fair.after_batch(SimpleNamespace(reqs=[sreqs["a1"]]))
+    pure.finish("a1")
+    check()
+    assert len(fair.ledger) == 0  # every request settled exactly once
+
+
+def test_policy_refusal_aborts_the_request_with_429():
+    """An ``rpm`` limit refuses at arrival: the request never enters SGLang's queue and the
+    client gets an abort with status 429 and the reason."""
+    rig = fair_rig("rpm", {"limit": 1})
+    s = rig.scheduler
+    sent = []
+    s._release_aborted_request = lambda req: None
+    s.send_abort_output = lambda abort_req, req: sent.append(abort_req)
+    s.disaggregation_mode = SimpleNamespace(value="null")
+    first, second = make_req([1, 2, 3], "c"), make_req([1, 2, 4], "c")
+    plugin._around_add_request(lambda sch, req, *a, **k: sch.waiting_queue.append(req), s, first)
+    plugin._around_add_request(lambda sch, req, *a, **k: sch.waiting_queue.append(req), s, second)
+    assert s.waiting_queue == [first]
+    assert len(sent) == 1 and sent[0].rid == second.rid
+    assert sent[0].finished_reason["status_code"] == 429
+    assert "rejected by the fair scheduler" in sent[0].finished_reason["message"]
+
+
+def test_plugin_is_off_without_the_environment(monkeypatch):
+    """Installing sgl-fair changes nothing until the launcher switches the plugin on."""
+    from sgl_fair.worker.sglang.settings import ENV_POLICY, settings_from_env
+
+    monkeypatch.delenv(ENV_POLICY, raising=False)
+    assert settings_from_env() is None
+    monkeypatch.setenv(ENV_POLICY, "no-such-policy")
+    with pytest.raises(SystemExit, match="SGLFAIR_SCHEDULE_POLICY"):
+        plugin.register()
+
+
+def test_the_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "sgl_fair"]
+    assert ep.load() is plugin.register

@@ -1,0 +1,350 @@
+"""Our local policy inside SGLang 0.5.23's scheduler: the order it admits in, the counters it keeps.
+
+SGLang's admission (``Scheduler._get_new_batch_prefill_raw``) is::
+
+    self.policy.calc_priority(self.waiting_queue, running_batch, ...)   # sorts in place
+    for req in self.waiting_queue:                                      # walks by index
+        req.init_next_round_input(self.tree_cache)
+        res = adder.add_one_req(req, ...)                               # may commit req
+        if res != AddReqResult.CONTINUE: break
+
+Our policies choose lazily: after each admission the policy is charged, then it picks the next
+request (VTC's least counter, DLPM's deficit walk). ``FairSchedulePolicy.calc_priority`` puts
+the policy's first choice at the head of the queue, and a hook after every ``add_one_req``
+charges what was really admitted (extend tokens = fill length - matched prefix) and moves the
+policy's next choice into the slot the loop reads next (CPython's list iterator reads by
+index, so the loop sees it). The order is the pure policy's, for any queue length: SGLang's
+own LPM falls back to FCFS above 128 waiting requests; this never does.
+
+Accounting follows what SGLang did, through ``Ledger``: arrivals (``_add_request_to_queue``;
+a policy's refusal aborts the request with HTTP 429), admissions (above), output tokens after
+every batch result (any count per step: speculative decoding), finishes, aborts (queued:
+``abort_request`` and any other removal from the queue; running: the abort finish reason) and
+retractions (``ScheduleBatch.retract_decode``). Each SGLang ``Req`` has a mirror
+``sgl_fair.request.Request`` that the policy sees; the client id is the request's
+``routing_key`` (never ``extra_key``, which partitions SGLang's prefix cache).
+
+``plugin.py`` installs the hooks; this module holds what they call, so tests drive the same
+code with SGLang's real ``Req``, ``RadixCache`` and ``PrefillAdder`` on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
+from sglang.srt.mem_cache.common import match_kv_cache
+
+from sgl_fair.policies.base import Policy, Rejection
+from sgl_fair.request import DEFAULT_CLIENT, Phase, Request
+
+log = logging.getLogger("sgl_fair.sglang")
+
+# tree cache id -> the adapter of the scheduler that owns it (one per scheduler process; a
+# PrefillAdder and a ScheduleBatch reach their scheduler's adapter through their tree_cache).
+_ADAPTERS: dict[int, FairSchedulePolicy] = {}
+
+
+def adapter_for(tree_cache: Any) -> FairSchedulePolicy | None:
+    return _ADAPTERS.get(id(tree_cache))
+
+
+def client_of(req: Req) -> str:
+    """The client a request is charged to: its ``routing_key`` (our router sets it)."""
+    key = getattr(req, "routing_key", None)
+    return str(key) if key else DEFAULT_CLIENT
+
+
+def mirror_of(req: Req, now: float) -> Request:
+    """Our ``Request`` for an SGLang ``Req``, as submitted."""
+    max_new = req.sampling_params.max_new_tokens
+    max_new = max(1, int(max_new)) if max_new is not None else 1
+    return Request(
+        rid=req.rid,
+        client=client_of(req),
+        input_ids=tuple(req.origin_input_ids),
+        output_len=max_new,
+        max_new_tokens=max_new,
+        arrival_s=now,
+        return_logprob=bool(req.return_logprob),
+    )
+
+
+class Ledger:
+    """SGLang's requests as our policy sees them: one mirror per live request, and every
+    event that charges or releases it. Events are idempotent: a request finishes once."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.mirrors: dict[str, Request] = {}  # rid -> mirror, while SGLang holds the request
+        self.reqs: dict[str, Req] = {}  # rid -> SGLang's Req
+        self.num_rejected = 0
+
+    def __len__(self) -> int:
+        return len(self.mirrors)
+
+    def mirror(self, req: Req) -> Request | None:
+        m = self.mirrors.get(req.rid)
+        return m if m is not None and self.reqs.get(req.rid) is req else None
+
+    def arrived(self, req: Req) -> Rejection | None:
+        """A new request joins the waiting queue; the policy may refuse it."""
+        if self.mirror(req) is not None:
+            return None
+        now = self.clock()
+        m = mirror_of(req, now)
+        rejection = self.policy.on_arrival(m, now)
+        if rejection is not None:
+            m.phase = Phase.REJECTED
+            m.reject_reason = rejection.reason
+            self.num_rejected += 1
+            return rejection
+        self.mirrors[req.rid] = m
+        self.reqs[req.rid] = req
+        return None
+
+    def admitted(self, req: Req, extend_len: int) -> None:
+        m = self.mirror(req)
+        if m is None or m.phase is not Phase.WAITING:
+            return
+        first = m.num_retractions == 0
+        m.phase = Phase.RUNNING
+        m.prefix_len = int(req.prefix_len)
+        if first:
+            m.first_prefix_len = m.prefix_len
+            m.admit_s = self.clock()
+        self.policy.on_admitted(m, extend_len if first else 0)
+
+    def sync_tokens(self, req: Req) -> int:
+        """Charge the output tokens SGLang appended since the last sync (1, or several with
+        speculative decoding); returns how many."""
+        m = self.mirror(req)
+        if m is None or m.phase is not Phase.RUNNING:
+            return 0
+        out = req.output_ids
+        n = len(out) - m.num_output
+        if n > 0:
+            m.output_ids.extend(out[m.num_output :])
+            if m.first_token_s is None:
+                m.first_token_s = self.clock()
+            self.policy.on_tokens(m, n)
+        return max(n, 0)
+
+    def after_step(self, req: Req) -> None:
+        """After a batch result: charge new tokens; settle the request if it finished."""
+        self.sync_tokens(req)
+        if req.finished():
+            reason = req.finished_reason
+            if type(reason).__name__ == "FINISH_ABORT":
+                self.aborted(req, reason=getattr(reason, "message", "aborted"))
+            else:
+                self.finished(req)
+
+    def finished(self, req: Req) -> None:
+        m = self._pop(req)
+        if m is None:
+            return
+        m.phase = Phase.FINISHED
+        m.finish_s = self.clock()
+        self.policy.on_finished(m)
+
+    def aborted(self, req: Req, reason: str = "aborted") -> None:
+        """Cancelled: queued (never admitted, or retracted) or running; charges stay."""
+        m = self._pop(req)
+        if m is None:
+            return
+        waiting = m.phase is Phase.WAITING
+        m.phase = Phase.ABORTED
+        m.abort_reason = reason
+        m.finish_s = self.clock()
+        self.policy.on_aborted(m, waiting)
+
+    def retracted(self, req: Req) -> None:
+        m = self.mirror(req)
+        if m is None or m.phase is not Phase.RUNNING:
+            return
+        self.sync_tokens(req)
+        m.phase = Phase.WAITING
+        m.num_retractions += 1
+        self.policy.on_retracted(m)
+
+    def reconcile_waiting(self, waiting_queue: Sequence[Req]) -> None:
+        """Requests that left the queue without being admitted (aborted, timed out, pushed out
+        by the queue limit) leave the policy too; queued requests it never saw arrive now."""
+        queued = {id(r) for r in waiting_queue}
+        for rid, m in list(self.mirrors.items()):
+            if m.phase is Phase.WAITING and id(self.reqs[rid]) not in queued:
+                self.aborted(self.reqs[rid], reason="left the waiting queue")
+        for r in waiting_queue:
+            if self.mirror(r) is None:
+                self.arrived(r)  # a refusal here is ignored: SGLang already queued it
+
+    def _pop(self, req: Req) -> Request | None:
+        if self.mirror(req) is None:
+            return None
+        self.reqs.pop(req.rid)
+        return self.mirrors.pop(req.rid)
+
+
+class _View:
+    """The ``SchedulerView`` our policy orders with: prefix matches against SGLang's cache."""
+
+    def __init__(self, adapter: FairSchedulePolicy, running: Sequence[Request]) -> None:
+        self._adapter = adapter
+        self.running = running
+        self.now = adapter.ledger.clock()
+
+    def prefix_len(self, m: Request) -> int:
+        return self._adapter.prefix_len(self._adapter.ledger.reqs[m.rid])
+
+
+class FairSchedulePolicy(SchedulePolicy):
+    """SGLang's ``SchedulePolicy`` with our policy's order (SGLang's other helpers inherited)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        tree_cache: Any,
+        *,
+        enable_hierarchical_cache: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__("fcfs", tree_cache, enable_hierarchical_cache, False, False)
+        self.fair = policy
+        self.ledger = Ledger(policy, clock)
+        self._queue: list[Req] | None = None
+        self._walk: Iterator[Request] | None = None
+        self._expect: Req | None = None  # the policy's current choice, at self._pos
+        self._pos = 0
+        self.num_walks = 0
+        self.num_resyncs = 0
+        _ADAPTERS[id(tree_cache)] = self
+
+    def detach(self) -> None:
+        self._close_walk()
+        if _ADAPTERS.get(id(self.tree_cache)) is self:
+            del _ADAPTERS[id(self.tree_cache)]
+
+    # ---- SchedulePolicy ---------------------------------------------------------------------
+
+    def calc_priority(
+        self,
+        waiting_queue: list[Req],
+        running_batch: Any = None,
+        processed_tokens: int = 0,
+    ) -> None:
+        """Put the policy's first choice at the head; later choices follow admissions."""
+        self._close_walk()
+        ledger = self.ledger
+        ledger.reconcile_waiting(waiting_queue)
+        if not waiting_queue:
+            return
+        mirrors = sorted(
+            (ledger.mirror(r) for r in waiting_queue), key=lambda m: (m.arrival_s, m.seq)
+        )
+        running = [
+            m
+            for r in (running_batch.reqs if running_batch is not None else ())
+            if (m := ledger.mirror(r)) is not None
+        ]
+        self._queue = waiting_queue
+        self._walk = self.fair.order(mirrors, _View(self, running))
+        self.num_walks += 1
+        # Until the walk picks them, the rest wait in arrival order.
+        by_rid = {r.rid: r for r in waiting_queue}
+        waiting_queue[:] = [by_rid[m.rid] for m in mirrors]
+        self._pos = 0
+        self._expect = None
+        self._place_next(0)
+
+    def prefix_len(self, req: Req) -> int:
+        """Tokens of ``req`` cached on this worker (SGLang's own match, as its LPM does)."""
+        match_kv_cache(req, self.tree_cache, req.origin_input_ids + req.output_ids)
+        return int(req.prefix_len)
+
+    # ---- hooks --------------------------------------------------------------------------------
+
+    def after_add_one_req(self, adder: Any, req: Req, result: AddReqResult) -> None:
+        """``PrefillAdder.add_one_req`` returned: charge an admission, place the next choice."""
+        admitted = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+        if admitted:
+            extend = len(req.full_untruncated_fill_ids) - int(req.prefix_len)
+            self.ledger.admitted(req, extend)
+        if self._walk is None or self._queue is None:
+            return
+        if result != AddReqResult.CONTINUE:
+            self._close_walk()  # the loop stops here
+            return
+        queue = self._queue
+        if req is not self._expect:
+            # SGLang skipped our choice (LoRA slots, pooling mode, a pending prefetch) and
+            # tried the next slot: restart the walk from what is left after it.
+            self.num_resyncs += 1
+            pos = _index(queue, req, self._pos)
+            if pos < 0:
+                self._close_walk()
+                return
+            self._restart_walk(pos + 1)
+            return
+        self._place_next(self._pos + 1)
+
+    def after_batch(self, batch: Any) -> None:
+        for req in batch.reqs:
+            self.ledger.after_step(req)
+
+    def after_retract(self, retracted: Sequence[Req], aborted: Sequence[Req]) -> None:
+        for req in retracted:
+            self.ledger.retracted(req)
+        for req in aborted:
+            self.ledger.aborted(req, reason="aborted at retraction")
+
+    # ---- the walk -----------------------------------------------------------------------------
+
+    def _place_next(self, pos: int) -> None:
+        """Pull the policy's next choice and move it to ``pos``."""
+        assert self._walk is not None and self._queue is not None
+        queue = self._queue
+        choice = next(self._walk, None)
+        if choice is None or pos >= len(queue):
+            self._expect = None
+            self._close_walk()
+            return
+        req = self.ledger.reqs[choice.rid]
+        j = _index(queue, req, pos)
+        if j < 0:  # not in the queue any more: cannot happen between hooks; stop ordering
+            self._close_walk()
+            return
+        if j != pos:
+            queue.insert(pos, queue.pop(j))
+        self._pos = pos
+        self._expect = req
+
+    def _restart_walk(self, pos: int) -> None:
+        assert self._queue is not None
+        self._close_walk(keep_queue=True)
+        rest = [m for r in self._queue[pos:] if (m := self.ledger.mirror(r)) is not None]
+        rest.sort(key=lambda m: (m.arrival_s, m.seq))
+        self._walk = self.fair.order(rest, _View(self, []))
+        self._place_next(pos)
+
+    def _close_walk(self, keep_queue: bool = False) -> None:
+        walk = self._walk
+        self._walk = None
+        self._expect = None
+        if not keep_queue:
+            self._queue = None
+        close = getattr(walk, "close", None)
+        if close is not None:
+            close()
+
+
+def _index(queue: Sequence[Req], req: Req, start: int) -> int:
+    for i in range(start, len(queue)):
+        if queue[i] is req:
+            return i
+    return -1

@@ -1,0 +1,157 @@
+"""The ``sglang.srt.plugins`` entry point: SGLang calls ``register()`` in each of its processes.
+
+Off unless ``SGLFAIR_SCHEDULE_POLICY`` is set (``settings.py``): then it registers these hooks
+with SGLang's ``HookRegistry`` (applied by SGLang right after plugins load)::
+
+    Scheduler.init_schedule_policy     AFTER   self.policy = FairSchedulePolicy(our policy)
+    Scheduler._add_request_to_queue    AROUND  arrival; the policy's refusal → abort with 429
+    PrefillAdder.add_one_req           AFTER   charge the admission, place the next choice
+    Scheduler.process_batch_result     AFTER   charge output tokens; finishes and aborts
+    Scheduler.abort_request            AFTER   queued requests that left the queue
+    ScheduleBatch.retract_decode       AFTER   retractions (and requests aborted there)
+
+Bad settings stop the scheduler process with one line naming the variable: a server asked to
+be fair never silently runs SGLang's own policy instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from sgl_fair.worker.sglang.settings import PluginSettings, settings_from_env
+
+log = logging.getLogger("sgl_fair.sglang")
+
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+TARGETS = {
+    "init_policy": f"{SCHEDULER}.init_schedule_policy",
+    "add_request": f"{SCHEDULER}._add_request_to_queue",
+    "add_one_req": "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+    "batch_result": f"{SCHEDULER}.process_batch_result",
+    "abort": f"{SCHEDULER}.abort_request",
+    "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
+}
+
+_settings: PluginSettings | None = None
+
+
+def register() -> None:
+    """Entry point (``pyproject.toml``: ``[project.entry-points."sglang.srt.plugins"]``)."""
+    global _settings
+    try:
+        settings = settings_from_env()
+    except ValueError as e:
+        # SGLang catches Exception from plugins and goes on without them; SystemExit stops it.
+        raise SystemExit(f"sgl-fair plugin: {e}") from None
+    if settings is None:
+        return
+    if _settings is not None:
+        return  # registered already in this process
+    _settings = settings
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGETS["init_policy"], _after_init_policy, HookType.AFTER)
+    HookRegistry.register(TARGETS["add_request"], _around_add_request, HookType.AROUND)
+    HookRegistry.register(TARGETS["add_one_req"], _after_add_one_req, HookType.AFTER)
+    HookRegistry.register(TARGETS["batch_result"], _after_batch_result, HookType.AFTER)
+    HookRegistry.register(TARGETS["abort"], _after_abort, HookType.AFTER)
+    HookRegistry.register(TARGETS["retract"], _after_retract, HookType.AFTER)
+    log.info("sgl-fair: local policy %s %s", settings.policy, settings.opts)
+
+
+def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
+    """Replace ``scheduler.policy`` with our policy's ``FairSchedulePolicy``."""
+    from sgl_fair.worker.sglang.adapter import FairSchedulePolicy
+
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    if mode is not None and getattr(mode, "value", mode) not in ("null", None):
+        raise SystemExit(
+            f"sgl-fair plugin: disaggregation mode {getattr(mode, 'value', mode)!r} is not "
+            "supported (the fair policy orders the prefill waiting queue of a plain server)"
+        )
+    old = getattr(scheduler, "policy", None)
+    if old is not None and hasattr(old, "detach"):
+        old.detach()
+    scheduler.policy = FairSchedulePolicy(
+        settings.make_policy(),
+        scheduler.tree_cache,
+        enable_hierarchical_cache=bool(getattr(scheduler, "enable_hierarchical_cache", False)),
+    )
+    return scheduler.policy
+
+
+def _fair(scheduler: Any) -> Any:
+    from sgl_fair.worker.sglang.adapter import FairSchedulePolicy
+
+    policy = getattr(scheduler, "policy", None)
+    return policy if isinstance(policy, FairSchedulePolicy) else None
+
+
+# ---- hooks (signatures follow HookRegistry: AFTER gets the result first, AROUND the original)
+
+
+def _after_init_policy(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    assert _settings is not None
+    install_policy(scheduler, _settings)
+
+
+def _around_add_request(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any):
+    fair = _fair(scheduler)
+    retracted = kwargs.get("is_retracted", args[0] if args else False)
+    if fair is None or retracted:
+        return original(scheduler, req, *args, **kwargs)
+    rejection = fair.ledger.arrived(req)
+    if rejection is not None:
+        reject(scheduler, req, rejection)
+        return None
+    out = original(scheduler, req, *args, **kwargs)
+    if not any(r is req for r in scheduler.waiting_queue):
+        fair.ledger.aborted(req, reason="not queued")  # SGLang refused it (queue limit …)
+    return out
+
+
+def reject(scheduler: Any, req: Any, rejection: Any) -> None:
+    """Answer a request the policy refused: abort it with HTTP 429 (+ when to retry)."""
+    from sglang.srt.managers.scheduler import _make_abort_req
+
+    message = f"rejected by the fair scheduler: {rejection.reason}"
+    if rejection.retry_after_s is not None:
+        message += f" (retry after {rejection.retry_after_s:.1f}s)"
+    reason = {
+        "type": "abort",
+        "status_code": HTTPStatus.TOO_MANY_REQUESTS,
+        "message": message,
+    }
+    scheduler._release_aborted_request(req)
+    scheduler.send_abort_output(_make_abort_req(req, finished_reason=reason), req)
+
+
+def _after_add_one_req(result: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_fair.worker.sglang.adapter import adapter_for
+
+    fair = adapter_for(adder.tree_cache)
+    if fair is not None:
+        fair.after_add_one_req(adder, req, result)
+
+
+def _after_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kw: Any) -> None:
+    fair = _fair(scheduler)
+    if fair is not None:
+        fair.after_batch(batch)
+
+
+def _after_abort(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    fair = _fair(scheduler)
+    if fair is not None:
+        fair.ledger.reconcile_waiting(scheduler.waiting_queue)
+
+
+def _after_retract(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_fair.worker.sglang.adapter import adapter_for
+
+    fair = adapter_for(batch.tree_cache)
+    if fair is not None and result is not None:
+        retracted, _ratio, aborted = result
+        fair.after_retract(retracted, aborted)

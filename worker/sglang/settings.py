@@ -1,0 +1,62 @@
+"""Switching the SGLang plugin on: two environment variables, read in every scheduler process.
+
+Installing sgl-fair registers an entry point in SGLang's ``sglang.srt.plugins`` group, so
+SGLang calls our ``register()`` in each of its processes. It does nothing unless
+``SGLFAIR_SCHEDULE_POLICY`` names a policy: a plain ``sglang.launch_server`` stays plain.
+``python -m sgl_fair.launch --backend sglang`` sets both variables for the servers it starts::
+
+    SGLFAIR_SCHEDULE_POLICY=dlpm
+    SGLFAIR_SCHEDULE_POLICY_OPTS='{"quantum": 2048, "weights": {"alice": 2}}'
+
+Pure: no sglang import, so the launcher and tests use it anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_POLICY = "SGLFAIR_SCHEDULE_POLICY"
+ENV_POLICY_OPTS = "SGLFAIR_SCHEDULE_POLICY_OPTS"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    policy: str
+    opts: dict[str, Any] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """The environment that switches the plugin on with these settings."""
+        return {ENV_POLICY: self.policy, ENV_POLICY_OPTS: json.dumps(self.opts, sort_keys=True)}
+
+    def make_policy(self) -> Any:
+        from sgl_fair.policies import make_policy
+
+        return make_policy(self.policy, **self.opts)
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSettings | None:
+    """The plugin's settings, or None when it is off; bad values raise a one-line ValueError
+    naming the variable (the plugin turns it into a start-up failure, never a silent
+    fallback to SGLang's own policy)."""
+    env = os.environ if environ is None else environ
+    policy = env.get(ENV_POLICY, "").strip()
+    if not policy:
+        return None
+    from sgl_fair.policies import policy_names
+
+    if policy not in policy_names():
+        raise ValueError(f"{ENV_POLICY}={policy!r} is unknown; choose from {policy_names()}")
+    raw = env.get(ENV_POLICY_OPTS, "").strip() or "{}"
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ENV_POLICY_OPTS} is not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise ValueError(f"{ENV_POLICY_OPTS} must be a JSON object (got {type(opts).__name__})")
+    settings = PluginSettings(policy, opts)
+    settings.make_policy()  # options are checked now, with the policy's own one-line errors
+    return settings
