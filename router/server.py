@@ -84,6 +84,7 @@ class ServerState:
     model_name: str
     kv_capacity_tokens: int
     url: str = ""
+    worker_urls: list[str] = field(default_factory=list)  # --backend sglang: the servers
     started_s: float = field(default_factory=time.time)
     inflight: dict[str, int] = field(default_factory=dict)  # tenant -> calls in flight
     limiters: dict[str, Any] = field(default_factory=dict)  # tenant -> RateLimiter
@@ -96,14 +97,22 @@ class ServerState:
         tokenizer: Tokenizer,
         tenants: tenants_mod.TenantTable | None,
         ipc_dir: str,
+        kv_endpoints: list[str] | None = None,
+        worker_urls: list[str] | None = None,
+        follow_kv_events: bool = True,
     ) -> ServerState:
-        cost = CostModel.from_names(cfg.gpu, cfg.model, tp=cfg.tp)
+        """``kv_endpoints``: where each worker publishes its KV events (default: the sim
+        workers' sockets in ``ipc_dir``). Without KV events (``follow_kv_events=False``) the
+        router's tree also takes each finished request's output, as its best guess."""
+        # The sim model's numbers; a real engine's replace them (adopt_engine_limits).
+        tp = cfg.tp if cfg.backend == "sim" else None
+        cost = CostModel.from_names(cfg.gpu, cfg.model, tp=tp)
         kv_cap = cfg.kv_tokens if cfg.kv_tokens is not None else cost.kv_capacity_tokens()
         context = cfg.context_length or cost.model.context_len
         router = Router(
             make_router_policy(cfg.router_policy, **cfg.router_policy_opts),
             cfg.dp,
-            insert_outputs=False,  # the workers' KV events say what they cache
+            insert_outputs=not follow_kv_events,  # else the workers' KV events say it
             max_tree_tokens=cfg.max_tree_tokens,
         )
         telemetry = Telemetry()
@@ -113,6 +122,7 @@ class ServerState:
             cfg.dp,
             telemetry=telemetry,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            kv_endpoints=kv_endpoints,
         )
         limiters = {}
         if tenants is not None:
@@ -130,8 +140,21 @@ class ServerState:
             limits=P.Limits(context_len=min(context, kv_cap)),
             model_name=name,
             kv_capacity_tokens=kv_cap,
+            worker_urls=list(worker_urls or []),
             limiters=limiters,
         )
+
+    def adopt_engine_limits(self, *, context_len: int | None, model_name: str | None) -> None:
+        """Real engines (``--backend sglang``): the KV capacity the workers reported in their
+        ``Hello`` and the servers' context length replace the simulator's model. Call once
+        every worker is ready, before the app is built."""
+        caps = [w.kv_capacity_tokens for w in self.service.workers.values() if w.kv_capacity_tokens]
+        if caps:
+            self.kv_capacity_tokens = min(caps)
+        context = self.cfg.context_length or context_len or self.limits.context_len
+        self.limits = P.Limits(context_len=min(context, self.kv_capacity_tokens))
+        if model_name and not (self.cfg.served_model_name or self.cfg.model_path):
+            self.model_name = model_name
 
     def worker_configs(self) -> list[Any]:
         from sgl_fair.launch import local_policy_opts
@@ -164,15 +187,49 @@ class ServerState:
 
     def describe(self) -> str:
         cfg = self.cfg
-        speed = "zero-cost" if math.isinf(cfg.time_scale) else f"time-scale {cfg.time_scale:g}"
         auth = f"{len(self.tenants.tenants)} tenants" if self.tenants else "no auth"
+        if cfg.backend == "sglang":
+            engines = sorted({w.engine for w in self.service.workers.values() if w.engine})
+            engine = ", ".join(engines) or "sglang"
+        else:
+            speed = "zero-cost" if math.isinf(cfg.time_scale) else f"time-scale {cfg.time_scale:g}"
+            engine = f"{cfg.backend} {cfg.gpu} {cfg.model} ({speed})"
         return (
-            f"dp={cfg.dp} · {cfg.backend} {cfg.gpu} {cfg.model} ({speed}) · "
+            f"dp={cfg.dp} · {engine} · "
             f"router {cfg.router_policy} · local {cfg.schedule_policy} · {auth}"
         )
 
 
 # ---------------------------------------------------------------------------- one generation
+
+# SamplingParams field -> SGLang sampling_params key, for what the engine itself must apply.
+# max_new_tokens travels as the request's own field; stop strings, detokenization options and
+# stream_interval are the front's business (it detokenizes and streams).
+_ENGINE_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_new_tokens": "min_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "seed": "sampling_seed",
+}
+_SAMPLING_DEFAULTS = P.SamplingParams()
+
+
+def engine_sampling(sp: P.SamplingParams) -> dict[str, Any] | None:
+    """The sampling parameters a real engine applies, in SGLang's names; only those that
+    differ from the defaults (None when all are defaults, so a plain request stays small)."""
+    out: dict[str, Any] = {}
+    for name, key in _ENGINE_SAMPLING.items():
+        value = getattr(sp, name)
+        if value != getattr(_SAMPLING_DEFAULTS, name):
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out or None
 
 
 @dataclass
@@ -215,6 +272,7 @@ class Generation:
             return_logprob=bool(item.return_logprob),
             logprob_start_len=self._logprob_start(),
             top_logprobs_num=item.top_logprobs_num or 0,
+            sampling=engine_sampling(item.sampling),
         )
         self.call = self.state.service.submit(req, self.who.client)
 
@@ -293,6 +351,8 @@ class Generation:
             self.finish = P.FinishInfo("abort", None, fin.error or "rejected")
         elif fin.reason is FinishReason.ABORTED:
             self.finish = P.FinishInfo("abort", None, fin.error or "aborted")
+        elif fin.reason is FinishReason.STOP:  # the engine's own stop: EOS or a stop token
+            self.finish = P.FinishInfo("stop", self.out_ids[-1] if self.out_ids else None, None)
         else:
             self.finish = P.FinishInfo("length", None, None)
 
@@ -697,6 +757,8 @@ def build_app(
                     "kv_event_gaps": w.kv_gaps,
                     "kv_orphans": w.decoder.num_orphans,
                     "tree_tokens": held.get(w.wid, 0),
+                    "kv_events": router.stats[w.wid].num_kv_events,
+                    **({"url": state.worker_urls[w.wid]} if state.worker_urls else {}),
                 }
             )
         tenants = None

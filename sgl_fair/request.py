@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 ClientId = str
 DEFAULT_CLIENT: ClientId = "default"
@@ -72,6 +73,10 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # Engine-specific sampling parameters passed through to a real engine (SGLang's
+    # ``sampling_params`` keys, e.g. temperature, top_p, stop_token_ids); None: the engine's
+    # defaults. The simulator ignores them.
+    sampling: dict[str, Any] | None = None
 
     # ---- scheduler bookkeeping (below this line nothing is set by the submitter) ----
     phase: Phase = Phase.WAITING

@@ -1,0 +1,243 @@
+"""``--backend sglang`` in the launcher: the SGLang command lines, the flags' checks and the
+server processes' lifecycle. Nothing here starts SGLang (tests/sglang/test_gpu_launch.py does,
+on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from sgl_fair.config import load_tenants
+from sgl_fair.launch import (
+    _kv_endpoint_of,
+    _url_of,
+    bridge_configs,
+    free_ports,
+    parse_config,
+    sglang_server_command,
+    sglang_servers,
+)
+from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess, WatchedWorker
+from sgl_fair.worker.sglang.settings import settings_from_env
+
+TENANTS = """
+[[tenant]]
+name = "acme"
+api_keys = ["sk-acme"]
+weight = 3.0
+
+[[tenant]]
+name = "globex"
+api_keys = ["sk-globex"]
+"""
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs of a command line (the last one of each flag)."""
+    return {a: b for a, b in zip(argv, argv[1:], strict=False) if a.startswith("--")}
+
+
+@pytest.fixture
+def tenants_file(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    return str(path)
+
+
+def test_server_commands_place_ranks_publish_kv_events_and_pass_flags_through(tenants_file):
+    args = ["--backend", "sglang", "--model-path", "/models/tiny", "--dp", "2", "--tp", "2"]
+    args += ["--tenants", tenants_file, "--schedule-policy-opt", "quantum=512"]
+    args += ["--chunked-prefill-size", "4096", "--max-running-requests", "64"]
+    args += ["--mem-fraction-static", "0.4", "--disable-cuda-graph", "--load-format=dummy"]
+    cfg = parse_config(args)
+    assert cfg.backend == "sglang" and cfg.dp == 2
+    assert cfg.sglang_args == ("--mem-fraction-static", "0.4", "--disable-cuda-graph",
+                               "--load-format=dummy")  # fmt: skip
+    tenants = load_tenants(tenants_file)
+    ports = free_ports(4)
+    cmds = [
+        sglang_server_command(
+            cfg, i, ports[2 * i], ports[2 * i + 1], tenants=tenants, environ={"PATH": "/bin"}
+        )
+        for i in range(2)
+    ]
+    for i, (argv, env) in enumerate(cmds):
+        assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+        f = _flags(argv)
+        assert f["--model-path"] == "/models/tiny" and f["--host"] == "127.0.0.1"
+        assert f["--port"] == str(ports[2 * i])
+        assert f["--base-gpu-id"] == str(2 * i) and f["--tp-size"] == "2"
+        assert f["--dp-size"] == "1"  # data parallelism is ours: one rank per server
+        assert f["--chunked-prefill-size"] == "4096" and f["--max-running-requests"] == "64"
+        assert json.loads(f["--kv-events-config"]) == {
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{ports[2 * i + 1]}",
+            "bind": True,
+            "topic": "",
+        }
+        assert "--context-length" not in f and "--served-model-name" not in f
+        assert argv[-4:] == list(cfg.sglang_args)  # last: they may override ours
+        assert _url_of(argv) == f"http://127.0.0.1:{ports[2 * i]}"
+        assert _kv_endpoint_of(argv) == f"tcp://127.0.0.1:{ports[2 * i + 1]}"
+        # The plugin's switch: our policy with its options and the tenants' weights.
+        assert env["PATH"] == "/bin"
+        settings = settings_from_env(env)
+        assert settings is not None and settings.policy == "dlpm"
+        assert settings.opts == {"quantum": 512, "weights": {"acme": 3.0, "globex": 1.0}}
+        assert "SGLANG_PLUGINS" not in env
+
+
+def test_optional_flags_and_a_plugin_whitelist():
+    cfg = parse_config(
+        ["--backend", "sglang", "--model-path", "m", "--context-length", "4096",
+         "--served-model-name", "tiny", "--schedule-policy", "fcfs"]
+    )  # fmt: skip
+    argv, env = sglang_server_command(cfg, 0, 1, 2, environ={"SGLANG_PLUGINS": "other"})
+    f = _flags(argv)
+    assert f["--context-length"] == "4096" and f["--served-model-name"] == "tiny"
+    assert f["--tp-size"] == "1" and f["--base-gpu-id"] == "0"
+    assert env["SGLANG_PLUGINS"] == "other,sgl_fair"  # a whitelist would skip our plugin
+    assert settings_from_env(env).policy == "fcfs"
+
+
+def test_each_server_gets_its_own_ports_and_log(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    cfg = parse_config(["--backend", "sglang", "--model-path", "m", "--dp", "3"])
+    group = sglang_servers(cfg, None)
+    ports = [int(_flags(s.argv)["--port"]) for s in group.servers]
+    kv_ports = [int(_kv_endpoint_of(s.argv).rsplit(":", 1)[1]) for s in group.servers]
+    assert len(set(ports + kv_ports)) == 6 and cfg.port not in ports + kv_ports
+    logs = [s.log_path for s in group.servers]
+    assert len(set(logs)) == 3 and all(p.startswith(str(tmp_path)) for p in logs)
+    assert group.first_exit() is None  # nothing started
+
+
+def test_worker_urls_make_the_workers():
+    cfg = parse_config(
+        ["--worker-url", "http://10.0.0.1:30000/", "--worker-url", "http://10.0.0.2:30000",
+         "--worker-kv-endpoint", "tcp://10.0.0.1:5557", "--worker-kv-endpoint",
+         "tcp://10.0.0.2:5557", "--health-check-timeout", "3"]
+    )  # fmt: skip
+    assert cfg.backend == "sglang" and cfg.dp == 2
+    assert cfg.worker_urls == ("http://10.0.0.1:30000", "http://10.0.0.2:30000")
+    assert cfg.worker_kv_endpoints == ("tcp://10.0.0.1:5557", "tcp://10.0.0.2:5557")
+    assert cfg.startup_timeout_s == 900.0  # loading a model takes minutes
+    [b0, b1] = bridge_configs(cfg, "ipc:///tmp/x", cfg.worker_urls, [None, None])
+    assert (b0.wid, b0.url, b1.wid, b1.url) == (0, cfg.worker_urls[0], 1, cfg.worker_urls[1])
+    assert b0.health_timeout_s == 3.0 and b0.server_pid is None
+
+
+def test_sim_is_unchanged():
+    cfg = parse_config([])
+    assert (cfg.backend, cfg.dp, cfg.startup_timeout_s, cfg.sglang_args) == ("sim", 1, 120.0, ())
+    assert parse_config(["--dp", "2"]).dp == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--backend", "sglang"], "--backend sglang needs --model-path"),
+        (["--worker-url", "http://a:1", "--worker-url", "http://b:1", "--worker-kv-endpoint",
+          "tcp://a:2"], "--worker-kv-endpoint given 1 times for 2 --worker-url"),
+        (["--bogus", "3"], "unrecognized arguments: --bogus 3"),
+        (["--backend", "sim", "--mem-fraction-static", "0.5"], "unrecognized arguments"),
+        (["--worker-url", "http://a:1", "--mem-fraction-static", "0.5"],
+         "with --worker-url it starts none"),
+        (["--worker-url", "http://a:1", "--dp", "2"], "--dp 2 does not match the 1 --worker-url"),
+        (["--worker-url", "a:1"], "is not an http:// or https:// URL"),
+        (["--worker-url", "http://a:1", "--worker-kv-endpoint", "a:2"], "not a zmq tcp://"),
+        (["--backend", "sglang", "--model-path", "m", "--worker-kv-endpoint", "tcp://a:2"],
+         "--worker-kv-endpoint needs --worker-url"),
+        (["--backend", "sim", "--worker-url", "http://a:1"], "need --backend sglang"),
+        (["--worker-url", "http://a:1", "--health-check-timeout", "0"],
+         "--health-check-timeout must be > 0"),
+    ],
+)  # fmt: skip
+def test_flag_errors_are_one_line(args, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle in err[-1], err
+
+
+# ---- the server processes ----------------------------------------------------------------------
+
+
+def _python(tmp_path, name: str, code: str) -> ServerProcess:
+    return ServerProcess(
+        0, [sys.executable, "-c", code], dict(os.environ), str(tmp_path / f"{name}.log")
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class _Bridge:  # what WatchedWorker needs of a multiprocessing.Process
+    exitcode = None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups and /proc")
+def test_a_server_that_dies_at_start_up_is_reported_with_its_log(tmp_path):
+    code = "import sys\nfor i in range(30): print('line', i)\nsys.exit(3)"
+    server = _python(tmp_path, "dies", code)
+    group = ServerGroup([server])
+    group.start()
+    watched = WatchedWorker(_Bridge(), server)
+    for _ in range(100):
+        if group.first_exit() is not None:
+            break
+        time.sleep(0.05)
+    assert group.first_exit() is server and server.exitcode() == 3
+    assert not watched.is_alive() and "SGLang server 0" in watched.exitcode
+    assert server.log_path in watched.exitcode
+    tail = server.log_tail(5).splitlines()
+    assert tail == [f"line {i}" for i in range(25, 30)]
+    group.stop()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups and /proc")
+def test_stop_ends_the_server_and_its_children(tmp_path):
+    # A "server" that forks a child (as SGLang forks its scheduler) and ignores SIGTERM.
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    server = _python(tmp_path, "stubborn", code)
+    group = ServerGroup([server])
+    group.start()
+    child_pid = None
+    for _ in range(100):
+        with open(server.log_path) as f:
+            text = f.read().strip()
+        if text:
+            child_pid = int(text)
+            break
+        time.sleep(0.05)
+    assert child_pid is not None and _alive(child_pid)
+    t0 = time.monotonic()
+    group.stop(timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    assert server.exitcode() == -signal.SIGKILL
+    for _ in range(50):
+        if not _alive(child_pid):
+            break
+        time.sleep(0.05)
+    assert not _alive(child_pid), "the server's child outlived it"

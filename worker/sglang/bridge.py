@@ -1,0 +1,659 @@
+"""A bridge worker: one SGLang server behind our router, speaking the router's worker protocol.
+
+::
+
+    router ──Dispatch / Abort / FlushCache / Shutdown──▶ bridge ──POST /generate (SSE)──▶ SGLang
+    router ◀──Hello / Tokens / Finished / Load / Flushed── bridge ◀──── stream chunks ─────┘
+    router ◀──────────── KV events: SGLang's own zmq publisher (--kv-events-config) ─────────┘
+
+One process per server. It waits for ``GET /health``, reads the server's capacity from
+``/server_info``, says ``Hello``, then turns each ``Dispatch`` into a streaming ``/generate``
+with the request's token ids; the client id travels as ``routing_key``, which our scheduler
+plugin reads inside SGLang (never ``extra_key``: that would partition SGLang's prefix cache).
+Each stream chunk's new token ids become a ``Tokens`` message, its end one ``Finished``.
+Every failure is a ``Finished`` too (REJECTED for the server's 4xx, ABORTED otherwise): a
+dispatched request is never lost.
+
+Liveness: ``Load`` every ``load_interval_s`` is the router's heartbeat. The bridge exits
+(non-zero, one log line) when ``/health`` has failed for ``health_timeout_s`` or the server
+process it watches is gone, so the router's process watch marks the worker dead.
+
+No sglang import: the bridge talks HTTP only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import zmq
+import zmq.asyncio
+
+from sgl_fair.messages import (
+    Abort,
+    Dispatch,
+    Finished,
+    FinishReason,
+    FlushCache,
+    Flushed,
+    Hello,
+    Load,
+    Shutdown,
+    Tokens,
+)
+from sgl_fair.request import Request
+from sgl_fair.router.transport import Endpoints, WireError, decode, encode
+
+log = logging.getLogger("sgl_fair.bridge")
+
+# A 429 inside a stream carries no Retry-After header: when to retry, then.
+DEFAULT_RETRY_AFTER_S = 1.0
+EXIT_SERVER_GONE = 3
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    wid: int
+    endpoints: str  # Endpoints.base
+    url: str  # the SGLang server, e.g. http://127.0.0.1:31000
+    load_interval_s: float = 0.1
+    load_poll_interval_s: float = 0.5  # SGLang's /v1/loads, where it has one
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 30.0  # /health failing this long: exit
+    startup_timeout_s: float = 600.0
+    abort_grace_s: float = 1.0  # after /abort_request, wait this long before hanging up
+    log_level: str = "warning"
+    server_pid: int | None = None  # exit when this process is gone
+
+
+# ---- what the server says about itself -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    version: str = ""
+    model_path: str = ""
+    kv_capacity_tokens: int = 0  # 0: unknown
+    context_len: int | None = None
+    incremental: bool = False  # --incremental-streaming-output: chunks carry only new ids
+
+    @property
+    def engine(self) -> str:
+        return " ".join(x for x in ("sglang", self.version, self.model_path) if x)
+
+
+async def _get_json(http: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
+    """The JSON at ``url``, or None when it is not there (any error, non-200, not JSON)."""
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            return await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
+def _positive_int(*values: Any) -> int | None:
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+async def probe_server(
+    http: aiohttp.ClientSession, url: str, timeout_s: float = 30.0
+) -> ServerInfo:
+    """Version, model, KV capacity and context length from the server's info endpoints
+    (``/server_info`` then ``/get_server_info``; ``/model_info``; ``/v1/models``); what a
+    server does not report stays unknown."""
+    info = await _get_json(http, url + "/server_info", timeout_s)
+    if not isinstance(info, dict):
+        info = await _get_json(http, url + "/get_server_info", timeout_s)
+    info = info if isinstance(info, dict) else {}
+    model = await _get_json(http, url + "/model_info", timeout_s)
+    if not isinstance(model, dict):
+        model = await _get_json(http, url + "/get_model_info", timeout_s)
+    model = model if isinstance(model, dict) else {}
+    models = await _get_json(http, url + "/v1/models", timeout_s)
+    cards = models.get("data") if isinstance(models, dict) else None
+    card = cards[0] if isinstance(cards, list) and cards and isinstance(cards[0], dict) else {}
+    return ServerInfo(
+        version=str(info.get("version") or ""),
+        model_path=str(model.get("model_path") or info.get("model_path") or ""),
+        kv_capacity_tokens=_positive_int(
+            info.get("max_total_num_tokens"), model.get("max_total_num_tokens")
+        )
+        or 0,
+        context_len=_positive_int(
+            card.get("max_model_len"), model.get("context_length"), info.get("context_length")
+        ),
+        incremental=bool(info.get("incremental_streaming_output", False)),
+    )
+
+
+# ---- one request -----------------------------------------------------------------------------
+
+
+def generate_body(req: Request) -> dict[str, Any]:
+    """The streaming ``/generate`` body for ``req`` (SGLang's native API)."""
+    sampling = dict(req.sampling or {})
+    sampling["max_new_tokens"] = req.max_new_tokens
+    body: dict[str, Any] = {
+        "input_ids": list(req.input_ids),
+        "sampling_params": sampling,
+        "stream": True,
+        "rid": req.rid,
+        "routing_key": req.client,
+    }
+    if req.return_logprob:
+        body["return_logprob"] = True
+        body["logprob_start_len"] = req.logprob_start_len
+        if req.top_logprobs_num:
+            body["top_logprobs_num"] = req.top_logprobs_num
+    return body
+
+
+class SSEParser:
+    """Server-sent events from arbitrary byte chunks: the payloads of ``data:`` lines (no line
+    length limit; SGLang's cumulative chunks grow with the output)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        out = []
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if line.startswith(b"data:"):
+                out.append(line[5:].strip())
+        return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    reason: FinishReason
+    error: str | None = None
+    retry_after_s: float | None = None
+
+
+_RETRY_AFTER_TEXT = re.compile(r"retry after ([0-9]+(?:\.[0-9]*)?)\s*s")
+
+
+def status_outcome(status: Any, message: str, retry_after_s: float | None = None) -> Outcome:
+    """A failure the server answered with HTTP ``status``: its 4xx refuse the request
+    (429: for now), anything else aborts it. A 429 inside a stream has no Retry-After header;
+    our plugin's refusal says "(retry after 2.5s)" in its message."""
+    if status == 429:
+        if retry_after_s is None:
+            m = _RETRY_AFTER_TEXT.search(message)
+            retry_after_s = float(m.group(1)) if m else DEFAULT_RETRY_AFTER_S
+        return Outcome(FinishReason.REJECTED, message, retry_after_s)
+    if isinstance(status, int) and 400 <= status < 500:
+        return Outcome(FinishReason.REJECTED, message)
+    return Outcome(FinishReason.ABORTED, message)
+
+
+def error_message(body: str, status: int | None = None) -> str:
+    """The message in an error body: SGLang's / OpenAI's ``{"error": ...}``, FastAPI's
+    ``{"detail": ...}``, or the text itself."""
+    text = body.strip()
+    try:
+        obj = json.loads(text) if text else None
+    except ValueError:
+        obj = None
+    msg: Any = None
+    if isinstance(obj, dict):
+        err = obj.get("error", obj.get("detail", obj.get("message")))
+        msg = err.get("message", err) if isinstance(err, dict) else err
+    if msg is None or msg == "":
+        msg = text[:500] or (f"HTTP {status}" if status is not None else "error")
+    return msg if isinstance(msg, str) else json.dumps(msg)[:500]
+
+
+def _retry_after(header: str | None) -> float | None:
+    try:
+        value = float(header) if header is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+class StreamState:
+    """What the chunks of one ``/generate`` stream said so far.
+
+    SGLang sends cumulative ``output_ids`` (and output logprobs) in every chunk unless the
+    server runs with ``--incremental-streaming-output``; ``feed`` returns the new ids either way.
+    """
+
+    def __init__(self, *, incremental: bool = False, want_logprobs: bool = False) -> None:
+        self.incremental = incremental
+        self.want_logprobs = want_logprobs
+        self.output_ids: list[int] = []
+        self.cached_tokens = 0
+        self.finish: dict[str, Any] | None = None
+        self.error: tuple[Any, str] | None = None  # (status code, message) of an error event
+        self.logprobs: dict[str, list[Any]] = {}
+
+    def feed(self, obj: Any) -> list[int]:
+        if not isinstance(obj, dict):
+            self.error = (None, f"unexpected stream event: {str(obj)[:200]}")
+            return []
+        if "error" in obj:
+            err = obj["error"]
+            code = err.get("code") if isinstance(err, dict) else None
+            self.error = (code, error_message(json.dumps(obj)))
+            return []
+        ids = obj.get("output_ids") or []
+        new = list(ids) if self.incremental else list(ids[len(self.output_ids) :])
+        self.output_ids.extend(new)
+        meta = obj.get("meta_info") or {}
+        cached = meta.get("cached_tokens")
+        if isinstance(cached, int):
+            self.cached_tokens = cached
+        if meta.get("finish_reason") is not None:
+            self.finish = meta["finish_reason"]
+        if self.want_logprobs:
+            self._take_logprobs(meta)
+        return new
+
+    def _take_logprobs(self, meta: dict[str, Any]) -> None:
+        for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs"):
+            value = meta.get(key)
+            if value is None:
+                continue
+            if self.incremental and key != "input_token_logprobs":
+                self.logprobs.setdefault(key, []).extend(value)  # sliced to the new tokens
+            else:
+                self.logprobs[key] = list(value)  # cumulative: the latest is complete
+
+    def outcome(self, requested_abort: str | None) -> Outcome:
+        """How the request ended, once the stream has (``requested_abort``: the router asked
+        us to abort it, and why)."""
+        if self.error is not None:
+            code, msg = self.error
+            if requested_abort is not None:
+                return Outcome(FinishReason.ABORTED, requested_abort)
+            return status_outcome(code, msg)
+        finish = self.finish
+        if finish is None:
+            return Outcome(FinishReason.ABORTED, requested_abort or "the stream ended early")
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind == "length":
+            return Outcome(FinishReason.LENGTH)
+        if kind == "stop":
+            return Outcome(FinishReason.STOP)
+        if requested_abort is not None:
+            return Outcome(FinishReason.ABORTED, requested_abort)
+        msg = finish.get("message") if isinstance(finish, dict) else None
+        status = finish.get("status_code") if isinstance(finish, dict) else None
+        return status_outcome(status, str(msg or "aborted by the SGLang server"))
+
+    def finished_logprobs(self) -> dict[str, Any]:
+        """``Finished``'s logprob fields from SGLang's ``[logprob, token_id, text]`` triples."""
+        if not self.want_logprobs:
+            return {}
+        lp = self.logprobs
+        n = len(self.output_ids)
+        out: dict[str, Any] = {
+            "input_logprobs": tuple(
+                None if e[0] is None else float(e[0]) for e in lp.get("input_token_logprobs", ())
+            ),
+            "output_logprobs": tuple(
+                float(e[0]) if e[0] is not None else -math.inf
+                for e in lp.get("output_token_logprobs", ())[:n]
+            ),
+        }
+        if "output_top_logprobs" in lp:
+            out["output_top_logprobs"] = tuple(
+                tuple((float(e[0]), int(e[1])) for e in row if e[0] is not None) if row else ()
+                for row in lp["output_top_logprobs"][:n]
+            )
+        return out
+
+
+# ---- the process -----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Job:
+    req: Request
+    stream: StreamState
+    task: asyncio.Task | None = None
+    abort_reason: str | None = None
+    hang_up: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class Bridge:
+    def __init__(self, cfg: BridgeConfig) -> None:
+        self.cfg = cfg
+        self.url = cfg.url.rstrip("/")
+        ep = Endpoints(cfg.endpoints)
+        self.actx = zmq.asyncio.Context()
+        self.sctx = zmq.Context()
+        self.inbox = self.actx.socket(zmq.PULL)
+        self.inbox.connect(ep.worker_in(cfg.wid))
+        self.outbox = self.sctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(ep.router_in)
+        self.info = ServerInfo()
+        self.jobs: dict[str, Job] = {}
+        self.loads: dict[str, Any] | None = None  # SGLang's latest /v1/loads entry
+        self.done = asyncio.Event()
+        self.exit_code = 0
+        self.parent = os.getppid()
+        self.http: aiohttp.ClientSession | None = None
+        self.tasks: list[asyncio.Task] = []  # the bridge's own loops (not the requests)
+
+    # ---- io ------------------------------------------------------------------------------
+
+    def send(self, msg: Any) -> None:
+        self.outbox.send(encode(msg), copy=False)
+
+    def stop(self, code: int, why: str | None = None) -> None:
+        if self.done.is_set():
+            return
+        if why:
+            log.error("bridge %d (%s): %s", self.cfg.wid, self.url, why)
+        self.exit_code = code
+        self.done.set()
+
+    def _gone(self) -> str | None:
+        """Why the bridge must stop: its server process or its launcher is gone."""
+        pid = self.cfg.server_pid
+        if pid is not None and not _process_alive(pid):
+            return f"SGLang server process {pid} is gone"
+        if os.getppid() != self.parent:
+            return "the launcher exited"
+        return None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def run(self) -> int:
+        connector = aiohttp.TCPConnector(limit=0)  # one connection per stream, no cap
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            self.http = http
+            self._spawn(self._recv_loop())
+            self._spawn(self._start())
+            try:
+                await self.done.wait()
+            finally:
+                jobs = [j.task for j in self.jobs.values() if j.task is not None]
+                for t in [*self.tasks, *jobs]:
+                    t.cancel()  # hanging up makes SGLang abort the request
+                await asyncio.gather(*self.tasks, *jobs, return_exceptions=True)
+        return self.exit_code
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(self._task_ended)
+        self.tasks.append(task)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.stop(1, f"internal error: {task.exception()!r}")
+
+    async def _start(self) -> None:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while not await self._healthy(min(cfg.health_timeout_s, 30.0)):
+            gone = self._gone()
+            if gone is not None:
+                self.stop(EXIT_SERVER_GONE, f"{gone} before it was ready")
+                return
+            if time.monotonic() > deadline:
+                self.stop(2, f"not ready within {cfg.startup_timeout_s:.0f}s")
+                return
+            await asyncio.sleep(0.5)
+        self.info = await probe_server(self.http, self.url)
+        kv_cap = self.info.kv_capacity_tokens
+        self.send(Hello(cfg.wid, time.time(), os.getpid(), kv_cap, self.info.engine))
+        log.info("bridge %d: %s ready (%s)", cfg.wid, self.url, self.info.engine)
+        for coro in (self._load_loop(), self._health_loop(), self._poll_loads()):
+            self._spawn(coro)
+
+    async def _healthy(self, timeout_s: float) -> bool:
+        try:
+            async with self.http.get(
+                self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    # ---- loops ---------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frame = await self.inbox.recv(copy=True)
+            try:
+                msg = decode(frame)
+            except WireError as e:
+                log.error("bridge %d: dropped a bad frame: %s", self.cfg.wid, e)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg: Any) -> None:
+        loop = asyncio.get_running_loop()
+        if isinstance(msg, Dispatch):
+            req = msg.req
+            stream = StreamState(
+                incremental=self.info.incremental, want_logprobs=req.return_logprob
+            )
+            job = Job(req, stream)
+            self.jobs[req.rid] = job
+            job.task = loop.create_task(self._serve(job))
+        elif isinstance(msg, Abort):
+            job = self.jobs.get(msg.rid)
+            if job is not None and job.abort_reason is None:
+                job.abort_reason = msg.reason
+                loop.create_task(self._abort(job))
+        elif isinstance(msg, FlushCache):
+            loop.create_task(self._flush(msg.token))
+        elif isinstance(msg, Shutdown):
+            self.stop(0)
+        else:
+            log.warning("bridge %d: ignoring %s", self.cfg.wid, type(msg).__name__)
+
+    async def _load_loop(self) -> None:
+        cfg = self.cfg
+        while True:
+            gone = self._gone()
+            if gone is not None:
+                self.stop(EXIT_SERVER_GONE, gone)
+                return
+            self.send(self._load())
+            await asyncio.sleep(cfg.load_interval_s)
+
+    def _load(self) -> Load:
+        num_running = sum(1 for j in self.jobs.values() if j.stream.output_ids)
+        num_waiting = len(self.jobs) - num_running
+        kv_used = 0
+        kv_cap = self.info.kv_capacity_tokens
+        snap = self.loads
+        if snap is not None:  # SGLang's own view, plus what is still on its way there
+            num_running = int(snap.get("num_running_reqs", num_running))
+            num_waiting = max(int(snap.get("num_waiting_reqs", 0)), len(self.jobs) - num_running)
+            kv_used = int(snap.get("num_used_tokens", 0))
+            kv_cap = int(snap.get("max_total_num_tokens") or kv_cap)
+        return Load(self.cfg.wid, time.time(), num_waiting, num_running, kv_used, 0, kv_cap)
+
+    async def _poll_loads(self) -> None:
+        """SGLang's ``GET /v1/loads``; stops at the first answer that is not one (a server
+        without the endpoint: the in-flight counts stand alone)."""
+        while True:
+            got = await _get_json(self.http, self.url + "/v1/loads?include=core", 5.0)
+            loads = got.get("loads") if isinstance(got, dict) else None
+            if not isinstance(loads, list) or not loads or not isinstance(loads[0], dict):
+                self.loads = None
+                return
+            self.loads = loads[0]
+            await asyncio.sleep(self.cfg.load_poll_interval_s)
+
+    async def _health_loop(self) -> None:
+        cfg = self.cfg
+        last_ok = time.monotonic()
+        while True:
+            await asyncio.sleep(cfg.health_interval_s)
+            if await self._healthy(cfg.health_timeout_s):
+                last_ok = time.monotonic()
+            elif time.monotonic() - last_ok > cfg.health_timeout_s:
+                self.stop(
+                    EXIT_SERVER_GONE, f"/health has failed for {time.monotonic() - last_ok:.1f}s"
+                )
+                return
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def _serve(self, job: Job) -> None:
+        try:
+            outcome = await self._stream(job)
+        except asyncio.CancelledError:
+            outcome = Outcome(FinishReason.ABORTED, job.abort_reason or "the bridge stopped")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            why = f"SGLang server {self.url}: {type(e).__name__}: {e}"
+            outcome = Outcome(FinishReason.ABORTED, job.abort_reason or why)
+        except Exception as e:  # a bug must still answer the router
+            log.exception("bridge %d: request %s failed", self.cfg.wid, job.req.rid)
+            outcome = Outcome(FinishReason.ABORTED, f"bridge error: {type(e).__name__}: {e}")
+        finally:
+            if job.hang_up is not None:
+                job.hang_up.cancel()
+            self.jobs.pop(job.req.rid, None)
+        self.send(self._finished(job, outcome))
+
+    async def _stream(self, job: Job) -> Outcome:
+        req = job.req
+        async with self.http.post(self.url + "/generate", json=generate_body(req)) as resp:
+            if resp.status != 200:
+                body = await resp.text(errors="replace")
+                retry = _retry_after(resp.headers.get("Retry-After"))
+                return status_outcome(resp.status, error_message(body, resp.status), retry)
+            parser = SSEParser()
+            async for data in resp.content.iter_any():
+                for payload in parser.feed(data):
+                    if payload == b"[DONE]":
+                        return job.stream.outcome(job.abort_reason)
+                    new = job.stream.feed(json.loads(payload))
+                    if new:
+                        self.send(Tokens(self.cfg.wid, time.time(), ((req.rid, tuple(new)),)))
+        return job.stream.outcome(job.abort_reason)
+
+    def _finished(self, job: Job, outcome: Outcome) -> Finished:
+        req, stream = job.req, job.stream
+        rejected = outcome.reason is FinishReason.REJECTED
+        return Finished(
+            worker=self.cfg.wid,
+            t_s=time.time(),
+            rid=req.rid,
+            client=req.client,
+            reason=outcome.reason,
+            input_ids=req.input_ids,
+            output_ids=() if rejected else tuple(stream.output_ids),
+            prefix_len=0 if rejected else stream.cached_tokens,
+            error=outcome.error,
+            retry_after_s=outcome.retry_after_s,
+            **({} if rejected else stream.finished_logprobs()),
+        )
+
+    async def _abort(self, job: Job) -> None:
+        """SGLang's /abort_request ends the stream with an abort; if it does not (the server
+        had not registered the rid yet), hang up after ``abort_grace_s``: SGLang aborts a
+        request whose client went away."""
+        if job.task is None or job.task.done():
+            return
+        job.hang_up = asyncio.get_running_loop().call_later(self.cfg.abort_grace_s, job.task.cancel)
+        try:
+            async with self.http.post(
+                self.url + "/abort_request",
+                json={"rid": job.req.rid},
+                timeout=aiohttp.ClientTimeout(total=10),
+            ) as resp:
+                if resp.status != 200:
+                    log.warning("bridge %d: /abort_request answered %d", self.cfg.wid, resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("bridge %d: /abort_request failed: %s", self.cfg.wid, e)
+            job.task.cancel()
+
+    async def _flush(self, token: int) -> None:
+        ok = False
+        try:
+            async with self.http.post(
+                self.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=30)
+            ) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("bridge %d: /flush_cache failed: %s", self.cfg.wid, e)
+        self.send(Flushed(self.cfg.wid, token, ok))
+
+    def close(self) -> None:
+        for sock in (self.inbox, self.outbox):
+            sock.close()
+        self.actx.term()
+        self.sctx.term()
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def bridge_main(cfg: BridgeConfig) -> None:
+    """Process entry point (multiprocessing spawn target); exits non-zero when its server
+    is gone, so the router's process watch marks the worker dead."""
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format=f"%(asctime)s bridge{cfg.wid} %(levelname)s %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher shuts us down in order
+    code = 1
+
+    async def main() -> int:
+        bridge = Bridge(cfg)
+        try:
+            return await bridge.run()
+        finally:
+            bridge.close()
+
+    try:
+        code = asyncio.run(main())
+    finally:
+        sys.stdout.flush()
+    if code:
+        sys.exit(code)
+
+
+__all__ = [
+    "Bridge",
+    "BridgeConfig",
+    "Outcome",
+    "SSEParser",
+    "ServerInfo",
+    "StreamState",
+    "bridge_main",
+    "generate_body",
+    "probe_server",
+    "status_outcome",
+]
