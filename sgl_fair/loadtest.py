@@ -1,13 +1,21 @@
 """``python -m sgl_fair.loadtest`` — drive a live SGLang-compatible server with a workload.
 
     python -m sgl_fair.loadtest --url URL --workload tot|judge|longqa|chat|mixed
-        --scenario s1|s2|none --clients N --duration S [--rate R] [--rate-scale X] [--dp D]
-        [--seed N] [--api-key-file F] [--out DIR] [--json] [--no-progress]
-        [--param KEY=VALUE ...] [--drain-timeout S] [--call-timeout S] [--stream-interval N]
+        --scenario s1|s2|none --clients N|NAME,NAME,... --duration S [--rate R]
+        [--rate-scale X] [--dp D] [--seed N] [--api-key-file F] [--out DIR] [--json]
+        [--no-progress] [--param KEY=VALUE ...] [--drain-timeout S] [--call-timeout S]
+        [--stream-interval N] [--driver native|sglang-frontend]
 
 The same programs the simulated experiments run (``workloads.programs``), sent closed-loop
 by ``workloads.harness`` to ``URL/generate``; the run is measured by the same code as the
 simulated rows, so a live ``results.json`` row compares field by field with a simulated one.
+
+``--clients`` is a number (clients ``c0, c1, …``) or their names (``alice,bob``: the first
+is ``c0``, the scenario's misbehaver). ``--driver sglang-frontend`` runs the SGLang frontend
+programs instead (``workloads.programs.sgl_frontend``: ``tot`` and ``judge`` written with
+``@sgl.function``, through ``RuntimeEndpoint``; needs sglang installed), at the same arrival
+times, measured by the same code; ``--param`` then sets their parameters (``branches``,
+``depth``, ``num_candidates``, ``max_tokens``, ``context_words``, ``given_answers``).
 
 Rates: by default each client sends ``BASE_RATE_PER_S[kind] × dp × rate_scale`` programs
 per second, ``dp`` being the server's ``dp_size`` (from ``GET /server_info``) unless given;
@@ -44,6 +52,8 @@ EXIT_USAGE = 2
 EXIT_NO_SUCCESS = 1
 PROG = "python -m sgl_fair.loadtest"
 SCENARIO_CHOICES = ("s1", "s2", "none")
+NATIVE, FRONTEND = "native", "sglang-frontend"
+DRIVERS = (NATIVE, FRONTEND)
 
 
 class LoadTestError(ValueError):
@@ -59,7 +69,10 @@ class LoadTestConfig:
     ``None``: the server's ``dp_size``, else 1. ``api_keys`` (client → key) or
     ``api_key_file`` (TOML or JSON of the same), not both. ``out`` ``None``:
     ``runs/loadtest-<timestamp>``; ``write`` False writes nothing (the results still say
-    what would have been written where).
+    what would have been written where). ``client_names``: the clients' ids in order
+    (default ``c0``, ``c1``, …). ``driver``: ``"native"`` (token-level programs over aiohttp)
+    or ``"sglang-frontend"`` (the frontend programs, ``tot``/``judge`` only; ``params`` are
+    theirs).
     """
 
     url: str
@@ -81,6 +94,8 @@ class LoadTestConfig:
     stream_interval: int | None = None
     run_tag: str = ""
     write: bool = True
+    client_names: tuple[str, ...] | None = None
+    driver: str = NATIVE
 
 
 # ---------------------------------------------------------------- validation
@@ -118,6 +133,21 @@ def validate(config: LoadTestConfig) -> LoadTestConfig:
         min_clients, why = 1, ""
     if not _is_int(c.clients) or c.clients < min_clients:
         raise LoadTestError(f"--clients must be >= {min_clients}{why} (got {c.clients!r})")
+    if c.client_names is not None:
+        names = tuple(c.client_names)
+        if len(names) != c.clients or len(set(names)) != len(names):
+            raise LoadTestError(f"--clients: {c.clients} distinct names needed (got {names!r})")
+        from sgl_fair.config import BadClientId, validate_client_id
+
+        for name in names:
+            try:
+                validate_client_id(name, "--clients")
+            except BadClientId as e:
+                raise LoadTestError(str(e)) from None
+    if c.driver not in DRIVERS:
+        raise LoadTestError(f"--driver must be one of {', '.join(DRIVERS)} (got {c.driver!r})")
+    if c.driver == FRONTEND and c.workload not in ("tot", "judge"):
+        raise LoadTestError(f"--driver {FRONTEND} runs workload tot or judge (got {c.workload})")
     if not _is_num(c.duration_s) or c.duration_s <= 0:
         raise LoadTestError(f"--duration must be a number > 0 seconds (got {c.duration_s!r})")
     if c.rate is not None and (not _is_num(c.rate) or c.rate <= 0):
@@ -218,6 +248,8 @@ def run_loadtest(
     )
     # Everything that can be wrong with the flags is found before the server is contacted.
     clients = _clients(config, dp=config.dp or 1)
+    if config.driver == FRONTEND:
+        _frontend_programs(config, clients)
     missing = [c.client for c in clients if keys and c.client not in keys]
     if missing:
         raise LoadTestError(
@@ -236,11 +268,17 @@ def run_loadtest(
         else:
             dp, source = server_dp or 1, "server" if server_dp else "default"
         clients = _clients(config, dp=dp)
-        programs = generate_programs(clients, float(config.duration_s), seed=config.seed)
         prepared.update(dp=dp, dp_source=source, clients=clients, server_info=server_info)
-        return programs
+        if config.driver == FRONTEND:
+            from sgl_fair.workloads.programs.sgl_driver import frontend_runs
 
-    result = asyncio.run(_probe_and_drive(config, harness_config, prepare, on_update))
+            prepared["frontend_programs"] = _frontend_programs(config, clients)
+            return frontend_runs(clients, float(config.duration_s), seed=config.seed)
+        return generate_programs(clients, float(config.duration_s), seed=config.seed)
+
+    result = asyncio.run(
+        _probe_and_drive(config, harness_config, prepare, on_update, prepared=prepared)
+    )
     clients = prepared["clients"]
     row = make_row(
         result,
@@ -273,10 +311,14 @@ def run_loadtest(
 
 
 def _clients(config: LoadTestConfig, *, dp: int) -> list:
+    """The workload's clients (named as ``client_names`` says). The frontend driver's
+    ``params`` are its programs' (checked by ``_frontend_programs``), not the token-level
+    programs'."""
     from sgl_fair.workloads.harness import build_clients
 
+    frontend = config.driver == FRONTEND
     try:
-        return build_clients(
+        clients = build_clients(
             config.workload,
             config.scenario,
             num_clients=config.clients,
@@ -284,14 +326,33 @@ def _clients(config: LoadTestConfig, *, dp: int) -> list:
             dp=dp,
             rate_scale=1.0 if config.rate_scale is None else float(config.rate_scale),
             rate=config.rate,
-            params=config.params,
+            params=None if frontend else config.params,
         )
     except ValueError as e:
         flag = "--param" if config.params else "--workload"
         raise LoadTestError(f"{flag}: {str(e).splitlines()[0]}") from None
+    if config.client_names is not None:
+        clients = [replace(c, client=n) for c, n in zip(clients, config.client_names, strict=True)]
+    if frontend:  # what a misbehaver runs is its frontend program's (_frontend_programs)
+        clients = [replace(c, params={}) for c in clients]
+    return clients
 
 
-async def _probe_and_drive(config, harness_config, prepare, on_update):
+def _frontend_programs(config: LoadTestConfig, clients: Sequence) -> dict[str, Any]:
+    """Each client's frontend program (``--driver sglang-frontend``)."""
+    try:
+        from sgl_fair.workloads.programs.sgl_driver import frontend_programs
+    except ImportError as e:
+        raise LoadTestError(
+            f"--driver {FRONTEND} needs sglang's frontend (pip install sglang): {e}"
+        ) from None
+    try:
+        return frontend_programs(clients, config.scenario, config.params)
+    except ValueError as e:
+        raise LoadTestError(f"--param: {str(e).splitlines()[0]}") from None
+
+
+async def _probe_and_drive(config, harness_config, prepare, on_update, *, prepared):
     import aiohttp
 
     from sgl_fair.workloads.harness import Unreachable, drive, probe_server
@@ -320,11 +381,32 @@ async def _probe_and_drive(config, harness_config, prepare, on_update):
             handled.append(signal.SIGINT)
 
     try:
+        if config.driver == FRONTEND:
+            return await _drive_frontend(
+                programs, prepared["frontend_programs"], harness_config, on_update, on_start
+            )
         return await drive(programs, harness_config, on_update=on_update, on_start=on_start)
     finally:
         for sig in handled:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+
+
+async def _drive_frontend(runs, programs, harness_config, on_update, on_start):
+    """The frontend driver is synchronous (threads): it runs on an executor thread while
+    this loop keeps Ctrl-C (``on_start``'s handler) working."""
+    from sgl_fair.workloads.programs.sgl_driver import FrontendDriver
+    from sgl_fair.workloads.programs.sgl_endpoint import FrontendCallError
+
+    loop = asyncio.get_running_loop()
+    try:
+        driver = await loop.run_in_executor(
+            None, lambda: FrontendDriver(runs, programs, harness_config)
+        )
+    except FrontendCallError as e:
+        raise LoadTestError(f"cannot reach URL: {e}") from None
+    on_start(driver.stop)
+    return await loop.run_in_executor(None, driver.run, on_update)
 
 
 def _stamp(unix: float) -> str:
@@ -362,6 +444,8 @@ def _run_meta(config, harness_config, prepared, result) -> dict[str, Any]:
         "server_info": prepared["server_info"],
         "workload": config.workload,
         "scenario": config.scenario,
+        "driver": config.driver,
+        "frontend_programs": {c: repr(p) for c, p in prepared.get("frontend_programs", {}).items()},
         "clients": [
             {
                 "client": c.client,
@@ -466,7 +550,14 @@ LOOP_LAG_WARN_S = 0.1
 def warnings_of(results: Mapping[str, Any]) -> list[str]:
     """What makes the numbers less trustworthy, in words."""
     row, out = results["row"], []
-    if row.get("max_loop_lag_s", 0.0) > LOOP_LAG_WARN_S:
+    frontend = results.get("run", {}).get("driver") == FRONTEND
+    if row.get("max_loop_lag_s", 0.0) > LOOP_LAG_WARN_S and frontend:
+        out.append(
+            f"the load generator started programs up to {row['max_loop_lag_s']:.2f} s late "
+            "(its threads were CPU-bound): program latencies include that; try a lower rate "
+            "or fewer clients"
+        )
+    elif row.get("max_loop_lag_s", 0.0) > LOOP_LAG_WARN_S:
         out.append(
             f"the load generator was CPU-bound (its event loop ran up to "
             f"{row['max_loop_lag_s']:.2f} s late): recorded times are late by up to that; "
@@ -521,12 +612,19 @@ def render_report(results: Mapping[str, Any]) -> str:
     cautions = "".join(f"\n- **warning:** {w}" for w in warnings_of(results))
     totals = "\n".join(f"- {line}" for line in totals_lines(results))
     model = f", model {row['model']}" if row.get("model") else ""
+    frontend = ""
+    if run.get("driver") == FRONTEND:
+        frontend = (
+            " (SGLang frontend programs: "
+            + ", ".join(f"{c} {p}" for c, p in run["frontend_programs"].items())
+            + ")"
+        )
     return f"""# Load test — {run["workload"]} {run["scenario"] or ""} against {run["url"]}
 
 - started {run["start_time"]}; arrivals for {row["duration_s"]:g} s, then up to
   {run["drain_timeout_s"]:g} s of drain; the run took {row["makespan_s"]:.1f} s
 - {row["num_clients"]} clients at {rate}; dp {row["dp"]} ({run["dp_source"]}); seed {row["seed"]}
-- server policy {row["policy"]}{model}
+- server policy {row["policy"]}{model}; driver {run.get("driver", NATIVE)}{frontend}
 
 ## Fairness
 
@@ -573,7 +671,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--workload", required=True, help="tot | judge | longqa | chat | mixed")
     p.add_argument("--scenario", required=True, help="s1 | s2 | none")
-    p.add_argument("--clients", type=int, required=True, help="number of clients")
+    p.add_argument(
+        "--clients", required=True, help="number of clients, or their names: alice,bob,..."
+    )
     p.add_argument("--duration", type=float, required=True, help="seconds of program arrivals")
     p.add_argument("--rate", type=float, default=None, help="programs/s per normal client")
     p.add_argument("--rate-scale", type=float, default=None, help="× the base rate (default 1)")
@@ -595,7 +695,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stream-interval", type=int, default=None, help="ask for a chunk every N tokens"
     )
+    p.add_argument(
+        "--driver",
+        default=NATIVE,
+        help=f"{NATIVE} (token-level programs) | {FRONTEND} (SGLang frontend tot/judge)",
+    )
     return p
+
+
+def _parse_clients(value: str) -> tuple[int, tuple[str, ...] | None]:
+    """``--clients``: a count, or comma-separated names (their count, the names)."""
+    value = value.strip()
+    if value.lstrip("-").isdigit():
+        return int(value), None
+    names = tuple(n.strip() for n in value.split(","))
+    if not all(names):
+        raise LoadTestError(f"--clients: a number or names separated by commas (got {value!r})")
+    return len(names), names
 
 
 def _parse_params(items: Sequence[str]) -> dict[str, Any]:
@@ -620,11 +736,13 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         raise LoadTestError(f"--scenario must be s1, s2 or none (got {args.scenario!r})")
     if args.api_key_file is not None and not args.api_key_file.is_file():
         raise LoadTestError(f"--api-key-file: no such file: {args.api_key_file}")
+    num_clients, names = _parse_clients(args.clients)
     return LoadTestConfig(
         url=args.url,
         workload=args.workload,
         scenario=None if args.scenario == "none" else args.scenario,
-        clients=args.clients,
+        clients=num_clients,
+        client_names=names,
         duration_s=args.duration,
         rate=args.rate,
         rate_scale=args.rate_scale,
@@ -636,6 +754,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         drain_timeout_s=args.drain_timeout,
         call_timeout_s=args.call_timeout,
         stream_interval=args.stream_interval,
+        driver=args.driver,
     )
 
 
@@ -705,6 +824,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         config = config_from_args(args)
+        if config.driver == FRONTEND:  # failed calls are reported; not each traceback too
+            warnings.filterwarnings("ignore", message="Error in stream_executor")
         show = not args.no_progress and not args.json and sys.stderr.isatty()
         t0 = time.monotonic()
         with _progress_bar(show) as update:
