@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -356,6 +357,7 @@ class Bridge:
         self.parent = os.getppid()
         self.http: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []  # the bridge's own loops (not the requests)
+        self.side_tasks: set[asyncio.Task] = set()  # aborts and flushes in flight
 
     # ---- io ------------------------------------------------------------------------------
 
@@ -392,15 +394,21 @@ class Bridge:
                 await self.done.wait()
             finally:
                 jobs = [j.task for j in self.jobs.values() if j.task is not None]
-                for t in [*self.tasks, *jobs]:
+                pending = [*self.tasks, *self.side_tasks, *jobs]
+                for t in pending:
                     t.cancel()  # hanging up makes SGLang abort the request
-                await asyncio.gather(*self.tasks, *jobs, return_exceptions=True)
+                await asyncio.gather(*pending, return_exceptions=True)
         return self.exit_code
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         task.add_done_callback(self._task_ended)
         self.tasks.append(task)
+
+    def _side(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.side_tasks.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self.side_tasks.discard)
 
     def _task_ended(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -447,7 +455,6 @@ class Bridge:
             self.handle(msg)
 
     def handle(self, msg: Any) -> None:
-        loop = asyncio.get_running_loop()
         if isinstance(msg, Dispatch):
             req = msg.req
             stream = StreamState(
@@ -455,14 +462,14 @@ class Bridge:
             )
             job = Job(req, stream)
             self.jobs[req.rid] = job
-            job.task = loop.create_task(self._serve(job))
+            job.task = asyncio.get_running_loop().create_task(self._serve(job))
         elif isinstance(msg, Abort):
             job = self.jobs.get(msg.rid)
             if job is not None and job.abort_reason is None:
                 job.abort_reason = msg.reason
-                loop.create_task(self._abort(job))
+                self._side(self._abort(job))
         elif isinstance(msg, FlushCache):
-            loop.create_task(self._flush(msg.token))
+            self._side(self._flush(msg.token))
         elif isinstance(msg, Shutdown):
             self.stop(0)
         else:
@@ -547,7 +554,7 @@ class Bridge:
                 for payload in parser.feed(data):
                     if payload == b"[DONE]":
                         return job.stream.outcome(job.abort_reason)
-                    new = job.stream.feed(json.loads(payload))
+                    new = job.stream.feed(_decode_json(payload))
                     if new:
                         self.send(Tokens(self.cfg.wid, time.time(), ((req.rid, tuple(new)),)))
         return job.stream.outcome(job.abort_reason)
@@ -604,6 +611,9 @@ class Bridge:
             sock.close()
         self.actx.term()
         self.sctx.term()
+
+
+_decode_json = msgspec.json.Decoder().decode  # a ValueError on bad JSON; faster than json
 
 
 def _process_alive(pid: int) -> bool:
