@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from sgl_fair.config import load_tenants
@@ -241,3 +244,102 @@ def test_stop_ends_the_server_and_its_children(tmp_path):
             break
         time.sleep(0.05)
     assert not _alive(child_pid), "the server's child outlived it"
+
+
+# ---- the launcher with a stand-in for sglang.launch_server ---------------------------------------
+
+FAKE_LAUNCH_SERVER = '''
+"""Stands in for ``python -m sglang.launch_server``: records what it was given, then serves
+SGLang's native API with sgl-fair's simulator on the same port and model directory."""
+import json, os, sys
+args = sys.argv[1:]
+flag = lambda name: args[len(args) - 1 - args[::-1].index(name) + 1]
+record = os.environ["FAKE_SGLANG_RECORD"]
+with open(os.path.join(record, f"server-{flag('--port')}.json"), "w") as f:
+    json.dump({"argv": args, "env": dict(os.environ), "pid": os.getpid()}, f)
+if os.environ.get("FAKE_SGLANG_FAIL"):
+    print("loading the model ...")
+    print("RuntimeError: no CUDA GPUs are available", flush=True)
+    sys.exit(7)
+os.execv(sys.executable, [sys.executable, "-m", "sgl_fair.launch", "--port", flag("--port"),
+                          "--model-path", flag("--model-path"), "--time-scale", "inf"])
+'''
+
+
+@pytest.fixture
+def fake_sglang(tmp_path, monkeypatch):
+    """``sglang.launch_server`` on PYTHONPATH is the stand-in above; returns its record dir."""
+    pytest.importorskip("tokenizers")
+    sys.path.insert(0, str(Path(__file__).parent / "router"))
+    from test_tokenizer import make_hf_dir
+
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    record = tmp_path / "record"
+    record.mkdir()
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(fake) + (os.pathsep + path if path else ""))
+    monkeypatch.setenv("FAKE_SGLANG_RECORD", str(record))
+    return make_hf_dir(tmp_path), record
+
+
+def _records(record) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(record.glob("server-*.json"))]
+
+
+@pytest.mark.slow
+def test_launch_starts_watches_and_stops_its_servers(fake_sglang, tmp_path):
+    model, record = fake_sglang
+    sys.path.insert(0, str(Path(__file__).parent / "router"))
+    from live_helpers import launched
+
+    args = ["--backend", "sglang", "--model-path", str(model), "--dp", "2"]
+    args += ["--health-check-interval", "0.2", "--health-check-timeout", "1", "--enable-foo"]
+    with launched(*args, tmp_path=tmp_path) as s:
+        servers = _records(record)
+        assert len(servers) == 2
+        for rec in servers:
+            assert rec["argv"][-1] == "--enable-foo"  # passed through
+            assert settings_from_env(rec["env"]).policy == "dlpm"  # the plugin is on
+        info = s.info()
+        assert [w["alive"] for w in info["workers"]] == [True, True]
+        urls = {w["url"] for w in info["workers"]}
+        assert urls == {f"http://127.0.0.1:{_flags(r['argv'])['--port']}" for r in servers}
+        r = httpx.post(s.url + "/generate", json={"text": "hi there"}, timeout=30)
+        assert r.status_code == 200, r.text
+        # A server that dies takes its worker out of routing at once (the launcher watches it).
+        by_port = {_flags(rec["argv"])["--port"]: rec for rec in servers}
+        victim = by_port[info["workers"][0]["url"].rsplit(":", 1)[1]]
+        os.killpg(victim["pid"], signal.SIGKILL)
+        for _ in range(100):
+            w0 = s.info()["workers"][0]
+            if not w0["alive"]:
+                break
+            time.sleep(0.05)
+        assert not w0["alive"] and "SGLang server 0" in w0["death"], w0
+        r = httpx.post(s.url + "/generate", json={"text": "still here"}, timeout=30)
+        assert r.status_code == 200, r.text
+    for rec in servers:  # every server is gone with the launcher
+        for _ in range(100):
+            if not _alive(rec["pid"]):
+                break
+            time.sleep(0.05)
+        assert not _alive(rec["pid"])
+
+
+@pytest.mark.slow
+def test_a_server_failing_at_start_up_is_one_error_with_its_log(fake_sglang, monkeypatch):
+    model, _record = fake_sglang
+    monkeypatch.setenv("FAKE_SGLANG_FAIL", "1")
+    out = subprocess.run(
+        [sys.executable, "-m", "sgl_fair.launch", "--backend", "sglang", "--model-path",
+         str(model), "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    err = [line for line in out.stderr.splitlines() if line.startswith("launch: error:")]
+    assert len(err) == 1 and "SGLang server 0 exited with code 7 during start-up" in err[0]
+    assert "server-0.log" in err[0]
+    assert "no CUDA GPUs are available" in out.stderr  # the tail of its log

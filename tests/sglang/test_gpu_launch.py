@@ -198,8 +198,12 @@ def test_sglang_servers_behind_the_router(tmp_path):
         assert s.info()["in_flight"] == 0
 
         # Idle now: flushing empties the servers' caches, and their events the router's tree.
-        time.sleep(1.0)
-        r = httpx.post(s.url + "/flush_cache", timeout=60)
+        # (SGLang refuses while anything runs, its own /health generation included: retry.)
+        for _ in range(10):
+            r = httpx.post(s.url + "/flush_cache", timeout=60)
+            if r.status_code == 200:
+                break
+            time.sleep(1.0)
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
