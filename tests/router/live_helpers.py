@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -82,3 +83,15 @@ def launched(*args: str, tmp_path, timeout_s: float = 90.0) -> Iterator[Live]:
                 break
             time.sleep(0.1)
         assert gone, f"worker pid {pid} survived the launcher"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples in ``text`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import re
 import signal
 import time
 
 import httpx
 import pytest
-from live_helpers import launched
+from live_helpers import launched, metric
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +29,6 @@ name = "ops"
 api_keys = ["sk-ops"]
 admin = true
 """
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_api_keys_identify_tenants_and_cannot_be_spoofed(tmp_path):
@@ -71,8 +59,8 @@ def test_api_keys_identify_tenants_and_cannot_be_spoofed(tmp_path):
         )
         assert r.status_code == 200
         metrics = httpx.get(s.url + "/metrics", timeout=10).text
-        assert _metric(metrics, "sgl_fair_tenant_requests_total", tenant="globex") == 2
-        assert _metric(metrics, "sgl_fair_tenant_requests_total", tenant="acme") == 0
+        assert metric(metrics, "sgl_fair_tenant_requests_total", tenant="globex") == 2
+        assert metric(metrics, "sgl_fair_tenant_requests_total", tenant="acme") == 0
         # Limits: globex may have 2 requests in flight; the third is refused with 429.
         long = {"text": "slow", "sampling_params": {"max_new_tokens": 300}}
         hdr = {"Authorization": "Bearer sk-globex"}
@@ -178,4 +166,4 @@ def test_local_admission_control_is_429_with_retry_after(tmp_path):
         other = httpx.post(s.url + "/generate", json=body, headers={"X-Client-Id": "calm"})
         assert other.status_code == 200  # per client
         metrics = httpx.get(s.url + "/metrics", timeout=10).text
-        assert _metric(metrics, "sgl_fair_tenant_rejections_total", tenant="eager") == 1
+        assert metric(metrics, "sgl_fair_tenant_rejections_total", tenant="eager") == 1

@@ -15,7 +15,6 @@ import glob
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -30,7 +29,12 @@ import pytest
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))  # live_helpers
-from live_helpers import Live, free_port, launched  # noqa: E402
+from live_helpers import (  # noqa: E402
+    Live,
+    free_port,
+    launched,
+    metric,  # noqa: E402
+)
 
 from sgl_fair.messages import FinishReason  # noqa: E402
 from sgl_fair.request import Request  # noqa: E402
@@ -279,17 +283,6 @@ def _sse(lines) -> list[dict]:
     ]
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _until(pred, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -345,7 +338,7 @@ def test_client_id_travels_as_routing_key_with_the_sampling_params(rig):
     want = {k: v for k, v in sampling.items() if k != "stop"}  # stop strings: the router's job
     assert sent["sampling_params"] == want
     metrics = httpx.get(rig.standin.url + "/metrics", timeout=10).text
-    assert _metric(metrics, "sgl_fair_tenant_requests_total", tenant="alice") >= 1
+    assert metric(metrics, "sgl_fair_tenant_requests_total", tenant="alice") >= 1
 
 
 @pytest.mark.slow
@@ -475,7 +468,7 @@ def test_a_dead_server_is_routed_around(tmp_path):
             assert dead and time.monotonic() - t0 < 5
             w0 = outer.info()["workers"][0]
             assert "exit" in w0["death"] and w0["url"] == victim_url
-            before = _metric(
+            before = metric(
                 httpx.get(survivor.url + "/metrics", timeout=10).text,
                 "sgl_fair_tenant_requests_total",
             )
@@ -483,7 +476,7 @@ def test_a_dead_server_is_routed_around(tmp_path):
                 body = {"text": f"after {i}", "sampling_params": {"max_new_tokens": 3}}
                 r = httpx.post(outer.url + "/generate", json=body, timeout=30)
                 assert r.status_code == 200, r.text
-            after = _metric(
+            after = metric(
                 httpx.get(survivor.url + "/metrics", timeout=10).text,
                 "sgl_fair_tenant_requests_total",
             )
