@@ -18,13 +18,14 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from sgl_fair.launch import free_ports
 
 CLIENTS = 4
 GPU, MODEL = "H100-80GB", "Llama-3.1-8B"
@@ -33,12 +34,6 @@ GPU, MODEL = "H100-80GB", "Llama-3.1-8B"
 # of prefill under plain locality, and the load generator still fits on 2 CPU cores.
 RATE_SCALE = 2.0
 STREAM_INTERVAL = 32  # SSE chunk every 32 tokens: keeps the load generator off the CPU's limit
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
@@ -79,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tenants.write_text(
         "".join(f'[[tenant]]\nname = "{c}"\napi_keys = ["{k}"]\n\n' for c, k in keys.items())
     )
-    port = _free_port()
+    (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     log_path = work / "server.log"
     cmd = [
