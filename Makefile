@@ -32,7 +32,7 @@ test: $(STAMP) $(SGL_STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m sgl_fair.demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(SGL_STAMP)
 	$(BIN)/python bench/run_all.py
 
 lint: $(STAMP)

@@ -16,6 +16,7 @@ import bench_live  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sim_speed  # noqa: E402
+import bench_sglang_adapter  # noqa: E402
 
 
 def machine() -> str:
@@ -40,6 +41,7 @@ def main() -> None:
         "router": bench_router.main(),
         "cluster_quality": bench_cluster_quality.main([]),
         "live": bench_live.main(),
+        "sglang_adapter": bench_sglang_adapter.main(),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)
