@@ -15,8 +15,8 @@ import bench_cluster_quality  # noqa: E402
 import bench_live  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
-import bench_sim_speed  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
+import bench_sim_speed  # noqa: E402
 
 
 def machine() -> str:
