@@ -12,14 +12,14 @@ import argparse
 import json
 import time
 
-from sgl_fair.workloads.cluster_experiments import (
+from sgl_fair.experiment.cluster import (
     EXPERIMENTS,
     FULL_SECONDS,
     UNFAIR,
     Overrides,
     apply_overrides,
 )
-from sgl_fair.workloads.cluster_runs import run_many
+from sgl_fair.experiment.cluster_runs import run_many
 
 CELLS = (("tot", "s2"), ("judge", "s1"))
 

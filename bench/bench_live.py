@@ -95,7 +95,7 @@ def direct_latencies(n: int) -> list[float]:
 
     from sgl_fair.messages import Dispatch, Finished, Hello, Shutdown
     from sgl_fair.request import Request
-    from sgl_fair.router.transport import Endpoints, decode, encode
+    from sgl_fair.transport import Endpoints, decode, encode
     from sgl_fair.worker.live import LiveWorkerConfig, worker_main
 
     ipc = tempfile.mkdtemp(prefix="sgl-fair-bench-")

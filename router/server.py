@@ -49,9 +49,7 @@ from sgl_fair.router.router import Router
 from sgl_fair.router.service import Call, NoWorkerError, RouterService
 from sgl_fair.router.telemetry import Telemetry
 from sgl_fair.router.tokenizer import IncrementalDecoder, Tokenizer
-from sgl_fair.router.transport import Endpoints
-from sgl_fair.worker.scheduler import SchedulerConfig
-from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.transport import Endpoints
 
 log = logging.getLogger("sgl_fair.server")
 
@@ -97,18 +95,20 @@ class ServerState:
         tokenizer: Tokenizer,
         tenants: tenants_mod.TenantTable | None,
         ipc_dir: str,
+        kv_capacity_tokens: int,
+        context_len: int,
         kv_endpoints: list[str] | None = None,
         worker_urls: list[str] | None = None,
         follow_kv_events: bool = True,
     ) -> ServerState:
-        """``kv_endpoints``: where each worker publishes its KV events (default: the sim
-        workers' sockets in ``ipc_dir``). Without KV events (``follow_kv_events=False``) the
-        router's tree also takes each finished request's output, as its best guess."""
-        # The sim model's numbers; a real engine's replace them (adopt_engine_limits).
-        tp = cfg.tp if cfg.backend == "sim" else None
-        cost = CostModel.from_names(cfg.gpu, cfg.model, tp=tp)
-        kv_cap = cfg.kv_tokens if cfg.kv_tokens is not None else cost.kv_capacity_tokens()
-        context = cfg.context_length or cost.model.context_len
+        """``kv_capacity_tokens`` / ``context_len``: one worker's KV pool and the model's
+        context, as the launcher knows them before the workers start (a real engine's numbers
+        replace them: ``adopt_engine_limits``). ``kv_endpoints``: where each worker publishes
+        its KV events (default: the sim workers' sockets in ``ipc_dir``). Without KV events
+        (``follow_kv_events=False``) the router's tree also takes each finished request's
+        output, as its best guess."""
+        kv_cap = kv_capacity_tokens
+        context = cfg.context_length or context_len
         router = Router(
             make_router_policy(cfg.router_policy, **cfg.router_policy_opts),
             cfg.dp,
@@ -155,35 +155,6 @@ class ServerState:
         self.limits = P.Limits(context_len=min(context, self.kv_capacity_tokens))
         if model_name and not (self.cfg.served_model_name or self.cfg.model_path):
             self.model_name = model_name
-
-    def worker_configs(self) -> list[Any]:
-        from sgl_fair.launch import local_policy_opts
-        from sgl_fair.worker.live import LiveWorkerConfig
-
-        cfg = self.cfg
-        sched = SchedulerConfig(
-            max_running_requests=cfg.max_running_requests,
-            chunked_prefill_size=cfg.chunked_prefill_size,
-        )
-        opts = local_policy_opts(cfg, self.tenants)
-        return [
-            LiveWorkerConfig(
-                wid=i,
-                endpoints=self.service.endpoints.base,
-                policy=cfg.schedule_policy,
-                policy_opts=opts,
-                gpu=cfg.gpu,
-                model=cfg.model,
-                tp=cfg.tp,
-                kv_tokens=cfg.kv_tokens,
-                scheduler=sched,
-                time_scale=cfg.time_scale,
-                token_range=self.tokenizer.output_token_range,
-                kv_page_size=cfg.kv_page_size,
-                log_level=cfg.log_level,
-            )
-            for i in range(cfg.dp)
-        ]
 
     def describe(self) -> str:
         cfg = self.cfg

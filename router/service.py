@@ -43,7 +43,7 @@ from sgl_fair.messages import (
 from sgl_fair.request import Request
 from sgl_fair.router.router import Router
 from sgl_fair.router.telemetry import Telemetry
-from sgl_fair.router.transport import Endpoints, WireError, decode, encode
+from sgl_fair.transport import Endpoints, WireError, decode, encode
 
 log = logging.getLogger("sgl_fair.router")
 

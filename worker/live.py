@@ -30,7 +30,7 @@ import zmq
 from sgl_fair import kv_events
 from sgl_fair.messages import Abort, Dispatch, FlushCache, Flushed, Hello, Shutdown
 from sgl_fair.policies import make_policy
-from sgl_fair.router.transport import Endpoints, WireError, decode, encode
+from sgl_fair.transport import Endpoints, WireError, decode, encode
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.service import WorkerCore
 from sgl_fair.worker.sim.cost_model import CostModel

@@ -55,8 +55,9 @@ from sgl_fair import metrics
 from sgl_fair.records import EventKind, RequestRecord, ServiceEvent
 from sgl_fair.request import Request
 
-from .cluster_runs import ACTUAL, PERCEIVED, client_latencies, service_series
-from .cluster_runs import well_behaved_latency_of as _wb_latency
+from .combos import label_of
+from .program_metrics import ACTUAL, PERCEIVED, client_latencies, service_series
+from .program_metrics import well_behaved_latency_of as _wb_latency
 from .programs import BASE_RATE_PER_S, Program, ProgramClient, workload
 
 # Streamed chunks repeat every output id so far: msgspec decodes (and type-checks) them in C,
@@ -706,13 +707,7 @@ def server_policy(info: Mapping[str, Any]) -> dict[str, Any]:
     router = str(router) if router is not None else None
     local = str(local) if local is not None else None
     label = "+".join(x for x in (router, local) if x) or "unknown"
-    from . import cluster_experiments
-    from .cluster_experiments import Combo
-
-    for value in vars(cluster_experiments).values():
-        if isinstance(value, Combo) and (value.router, value.local) == (router, local):
-            label = value.label
-            break
+    label = label_of(router, local) or label
 
     def opts(key: str) -> dict[str, Any]:
         value = info.get(key)

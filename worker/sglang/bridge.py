@@ -53,7 +53,7 @@ from sgl_fair.messages import (
     Tokens,
 )
 from sgl_fair.request import Request
-from sgl_fair.router.transport import Endpoints, WireError, decode, encode
+from sgl_fair.transport import Endpoints, WireError, decode, encode
 
 log = logging.getLogger("sgl_fair.bridge")
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sgl_fair.experiment import main
-from sgl_fair.workloads.cluster_experiments import (
+from sgl_fair.experiment.cluster import (
     D2LPM,
     EXPERIMENTS,
     RR_LPM,
@@ -18,7 +18,7 @@ from sgl_fair.workloads.cluster_experiments import (
     apply_overrides,
     run_cluster_experiment,
 )
-from sgl_fair.workloads.cluster_runs import RunSpec, run_one
+from sgl_fair.experiment.cluster_runs import RunSpec, run_one
 
 ROW_FIELDS = {
     "router",

@@ -18,22 +18,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster_runs import Combo, RunSpec, run_many
-from .experiments import Claim
+from sgl_fair.experiment.single import Claim
+from sgl_fair.workloads.combos import (
+    CACHE_AWARE,
+    D2LPM,
+    DLPM1,
+    GRID_COMBOS,
+    LPM1,
+    PREBLE,
+    RR_LPM,
+    VTC,
+    VTC1,
+    Combo,
+)
+
+from .cluster_runs import RunSpec, run_many
 
 DEFAULT_Q = 2048.0  # DLPM's quantum (the policy's default)
 DEFAULT_QU = 10_000.0  # D2LPM's per-worker quantum (the router policy's default)
-
-D2LPM = Combo("D2LPM", "d2lpm", "dlpm")
-RR_LPM = Combo("RR+LPM", "rr", "lpm")
-PREBLE = Combo("Preble", "preble", "lpm")
-VTC = Combo("VTC", "per-client-rr", "vtc")
-CACHE_AWARE = Combo("CacheAware+LPM", "cache-aware", "lpm")
-GRID_COMBOS = (D2LPM, RR_LPM, PREBLE, VTC, CACHE_AWARE)
-# One GPU: the router is irrelevant, only the local policy differs.
-LPM1 = Combo("LPM", "rr", "lpm")
-VTC1 = Combo("VTC", "rr", "vtc")
-DLPM1 = Combo("DLPM", "rr", "dlpm")
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,8 @@ _CLUSTER_FLAGS = ("dp", "router", "local", "workload", "scenario", "gpu", "model
 
 
 def cmd_list() -> int:
-    from sgl_fair.workloads.cluster_experiments import EXPERIMENTS as CLUSTER
-    from sgl_fair.workloads.experiments import EXPERIMENTS
+    from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
+    from sgl_fair.experiment.single import EXPERIMENTS
 
     everything = [*EXPERIMENTS.values(), *CLUSTER.values()]
     width = max(len(e.name) for e in everything)
@@ -89,9 +89,9 @@ def cmd_list() -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sgl_fair.workloads.cluster_experiments import EXPERIMENTS as CLUSTER
-    from sgl_fair.workloads.experiments import EXPERIMENTS, get_experiment, run_experiment
-    from sgl_fair.workloads.report import write_outputs
+    from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
+    from sgl_fair.experiment.report import write_outputs
+    from sgl_fair.experiment.single import EXPERIMENTS, get_experiment, run_experiment
 
     if args.name in CLUSTER:
         return cmd_run_cluster(args)
@@ -118,14 +118,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_run_cluster(args: argparse.Namespace) -> int:
-    from sgl_fair.policies import policy_names
-    from sgl_fair.router import router_policy_names
-    from sgl_fair.worker.sim.hardware import get_gpu, get_model
-    from sgl_fair.workloads.cluster_experiments import (
+    from sgl_fair.experiment.cluster import (
         EXPERIMENTS,
         Overrides,
         run_cluster_experiment,
     )
+    from sgl_fair.policies import policy_names
+    from sgl_fair.router import router_policy_names
+    from sgl_fair.worker.sim.hardware import get_gpu, get_model
     from sgl_fair.workloads.cluster_report import table, write_cluster_outputs
     from sgl_fair.workloads.programs import WORKLOADS
 
@@ -306,7 +306,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

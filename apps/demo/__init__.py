@@ -115,7 +115,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 server.kill()
         print(f"server stopped (log: {log_path})")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

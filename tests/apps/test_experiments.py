@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from sgl_fair.workloads.experiments import (
+from sgl_fair.experiment.single import (
     EXPERIMENTS,
     ExperimentResult,
     get_experiment,

@@ -17,14 +17,14 @@ import pytest
 
 from sgl_fair.config import load_tenants
 from sgl_fair.launch import (
-    _kv_endpoint_of,
-    _url_of,
     bridge_configs,
     free_ports,
     parse_config,
     sglang_server_command,
     sglang_servers,
 )
+from sgl_fair.launch.sglang import server_kv_endpoint as _kv_endpoint_of
+from sgl_fair.launch.sglang import server_url as _url_of
 from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess, WatchedWorker
 from sgl_fair.worker.sglang.settings import settings_from_env
 
@@ -270,7 +270,7 @@ os.execv(sys.executable, [sys.executable, "-m", "sgl_fair.launch", "--port", fla
 def fake_sglang(tmp_path, monkeypatch):
     """``sglang.launch_server`` on PYTHONPATH is the stand-in above; returns its record dir."""
     pytest.importorskip("tokenizers")
-    sys.path.insert(0, str(Path(__file__).parent / "router"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "router"))
     from test_tokenizer import make_hf_dir
 
     fake = tmp_path / "fake"
@@ -292,7 +292,7 @@ def _records(record) -> list[dict]:
 @pytest.mark.slow
 def test_launch_starts_watches_and_stops_its_servers(fake_sglang, tmp_path):
     model, record = fake_sglang
-    sys.path.insert(0, str(Path(__file__).parent / "router"))
+    sys.path.insert(0, str(Path(__file__).parent.parent / "router"))
     from live_helpers import launched
 
     args = ["--backend", "sglang", "--model-path", str(model), "--dp", "2"]

@@ -19,39 +19,27 @@ and the well-behaved clients' latency:
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from sgl_fair import metrics
-from sgl_fair.cost import PrefixAwareTokens, WeightedTokens
 from sgl_fair.policies import make_policy
-from sgl_fair.records import RequestRecord, ServiceEvent
-from sgl_fair.request import Request
+from sgl_fair.records import RequestRecord
 from sgl_fair.router import Router, make_router_policy
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.sim.cluster import ClusterConfig, ClusterResult, simulate_cluster
 from sgl_fair.worker.sim.cost_model import CostModel
-
-from .programs import Program, generate_programs, workload
-
-PERCEIVED = WeightedTokens()  # what clients are billed: input + 2 × output
-ACTUAL = PrefixAwareTokens()  # what the GPU did: extend + 2 × output
-
-
-@dataclass(frozen=True)
-class Combo:
-    """A router policy paired with a local (worker) policy."""
-
-    label: str
-    router: str
-    local: str
-    router_opts: Mapping[str, Any] = field(default_factory=dict)
-    local_opts: Mapping[str, Any] = field(default_factory=dict)
+from sgl_fair.workloads.combos import Combo
+from sgl_fair.workloads.program_metrics import (
+    ACTUAL,
+    PERCEIVED,
+    program_latencies_of,
+    service_series,
+    well_behaved_latency_of,
+)
+from sgl_fair.workloads.programs import generate_programs, workload
 
 
 @dataclass(frozen=True)
@@ -78,33 +66,9 @@ class RunSpec:
         return replace(self, **changes)
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    xs = [v for v in values if v is not None]
-    return float(np.mean(xs)) if xs else None
-
-
 def program_latencies(result: ClusterResult) -> dict[str, list[float]]:
     """Per client: each program's end-to-end latency (censored at the run's end if unfinished)."""
     return program_latencies_of(result.programs, result.submitted, result.t_end_s)
-
-
-def program_latencies_of(
-    programs: Sequence[Program], calls: Sequence[Request | RequestRecord], t_end_s: float
-) -> dict[str, list[float]]:
-    """``program_latencies`` from its parts, so a live load test (``harness``) measures
-    programs exactly as the simulated runs do: first call issued (the program's start) → last
-    call finished; a program still unfinished at ``t_end_s`` counts with its age then."""
-    finish: dict[str, float] = {}
-    for r in calls:
-        if r.finish_s is not None and r.interaction_id is not None:
-            finish[r.interaction_id] = max(finish.get(r.interaction_id, 0.0), r.finish_s)
-    out: dict[str, list[float]] = defaultdict(list)
-    for prog in programs:
-        if prog.start_s > t_end_s:
-            continue
-        end = finish.get(prog.program_id, t_end_s) if prog.done else t_end_s
-        out[prog.client].append(end - prog.start_s)
-    return out
 
 
 def well_behaved_latency(
@@ -119,76 +83,9 @@ def well_behaved_latency(
     )
 
 
-def well_behaved_latency_of(
-    programs: Sequence[Program],
-    records: Sequence[RequestRecord],
-    well_behaved: set[str],
-    *,
-    t_end_s: float,
-    use_ttft: bool,
-) -> dict[str, float | None]:
-    """``p50_well_behaved_s`` / ``p99_well_behaved_s`` (see the module docstring) from a run's
-    programs and records: shared by the simulated runs and the live load test."""
-    p = {
-        c: metrics.percentiles(v)
-        for c, v in client_latencies(
-            programs, records, t_end_s=t_end_s, use_ttft=use_ttft, clients=well_behaved
-        ).items()
-    }
-    return {
-        "p50_well_behaved_s": _mean([q[50] for q in p.values()]),
-        "p99_well_behaved_s": _mean([q[99] for q in p.values()]),
-    }
-
-
-def client_latencies(
-    programs: Sequence[Program],
-    records: Sequence[RequestRecord],
-    *,
-    t_end_s: float,
-    use_ttft: bool,
-    clients: set[str] | None = None,
-) -> dict[str, list[float]]:
-    """Per client (of ``clients``; default all): the latencies the well-behaved metric takes
-    percentiles of: program end-to-end latencies, or with ``use_ttft`` each non-rejected
-    call's TTFT (an unserved call counts with its wait until ``t_end_s``, a lower bound)."""
-    if use_ttft:
-        by_client: dict[str, list[float]] = defaultdict(list)
-        for r in records:
-            if (clients is None or r.client in clients) and not r.rejected:
-                ttft = r.ttft_s if r.ttft_s is not None else t_end_s - r.arrival_s
-                by_client[r.client].append(ttft)
-        return by_client
-    lat = program_latencies_of(programs, records, t_end_s)
-    return {c: v for c, v in lat.items() if clients is None or c in clients}
-
-
 def _series(result: ClusterResult, records: Sequence[RequestRecord], t_end: float) -> dict:
     """Per-client time series for timeline plots (JSON-able)."""
     return service_series(result.events, records, t_end)
-
-
-def service_series(
-    events: Sequence[ServiceEvent], records: Sequence[RequestRecord], t_end: float
-) -> dict:
-    """Per-client service rates (perceived and actual) and response times over time, the
-    ``series`` of a row that ``cluster_report.plot_timeline`` draws (JSON-able)."""
-    window = max(t_end / 40, 1.0)
-    step = window / 2
-    out: dict[str, Any] = {"window_s": window}
-    for name, cost in (("perceived", PERCEIVED), ("actual", ACTUAL)):
-        times, rates = metrics.service_rate_series(
-            events, cost, window_s=window, t_end=t_end, step_s=step
-        )
-        out["t"] = times.tolist()
-        out[name] = {c: v.tolist() for c, v in rates.items()}
-    # Response time: each finished call's end-to-end latency at its finish time.
-    resp: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for r in records:
-        if r.finish_s is not None:
-            resp[r.client].append((round(r.finish_s, 3), round(r.finish_s - r.arrival_s, 3)))
-    out["response"] = {c: sorted(v) for c, v in resp.items()}
-    return out
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:

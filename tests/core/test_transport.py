@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sgl_fair.messages import Dispatch, Finished, FinishReason, Hello
 from sgl_fair.request import SUBMITTED_FIELDS, Request
-from sgl_fair.router.transport import decode, encode
+from sgl_fair.transport import decode, encode
 
 
 def test_dispatch_round_trips_the_submitted_fields():

@@ -25,10 +25,9 @@ from sgl_fair.request import Request
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.runner import SimResult, make_sim_worker, simulate
-
-from .arrivals import Constant, LinearRamp, OnOff, Phases, Poisson, per_minute
-from .lengths import Uniform
-from .traces import ClientSpec, client_weights, generate
+from sgl_fair.workloads.arrivals import Constant, LinearRamp, OnOff, Phases, Poisson, per_minute
+from sgl_fair.workloads.lengths import Uniform
+from sgl_fair.workloads.traces import ClientSpec, client_weights, generate
 
 
 @dataclass(frozen=True)

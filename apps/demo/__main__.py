@@ -1,0 +1,5 @@
+import sys
+
+from sgl_fair.demo import main
+
+sys.exit(main())

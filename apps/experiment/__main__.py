@@ -1,0 +1,5 @@
+import sys
+
+from sgl_fair.experiment.cli import main
+
+sys.exit(main())

@@ -1,0 +1,308 @@
+"""The launcher's flags: ``LaunchConfig`` and the parser (SGLang's ``ServerArgs`` names)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgl_fair.config import ConfigError, TenantTable, load_tenants
+from sgl_fair.policies import make_policy, policy_class, policy_names
+from sgl_fair.router.policies import make_router_policy, router_policy_names
+from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.hardware import GPUS, MODELS, get_gpu, get_model
+
+log = logging.getLogger("sgl_fair.launch")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    dp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model_path: str | None = None
+    served_model_name: str | None = None
+    schedule_policy: str = "dlpm"
+    schedule_policy_opts: dict[str, Any] = field(default_factory=dict)
+    router_policy: str = "d2lpm"
+    router_policy_opts: dict[str, Any] = field(default_factory=dict)
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 256
+    backend: str = "sim"
+    gpu: str = "H100-80GB"
+    model: str = "Llama-3.1-8B"
+    tp: int | None = None
+    kv_tokens: int | None = None
+    time_scale: float = 1.0
+    context_length: int | None = None
+    tenants: str | None = None
+    log_level: str = "warning"
+    max_body_bytes: int = 16 << 20
+    kv_page_size: int = 16
+    heartbeat_timeout_s: float = 10.0
+    startup_timeout_s: float = 120.0
+    max_tree_tokens: int | None = 4_000_000
+    # --backend sglang
+    worker_urls: tuple[str, ...] = ()  # servers already running (else the launcher starts dp)
+    worker_kv_endpoints: tuple[str, ...] = ()
+    sglang_args: tuple[str, ...] = ()  # passed through to every server the launcher starts
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+
+
+def _kv(items: Sequence[str], flag: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} takes KEY=VALUE (got {item!r})")
+        value: Any = raw
+        for conv in (int, float):
+            try:
+                value = conv(raw)
+                break
+            except ValueError:
+                continue
+        if raw in ("true", "false"):
+            value = raw == "true"
+        if raw in ("inf", "none"):
+            value = math.inf if raw == "inf" else None
+        out[key] = value
+    return out
+
+
+def gpu_visible() -> bool:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sgl_fair.launch",
+        description="Start the sgl-fair router and data-parallel workers behind one HTTP API "
+        "(SGLang-native /generate and OpenAI-compatible /v1).",
+    )
+    p.add_argument("--dp-size", "--dp", dest="dp", type=int, default=None, help="workers (GPUs)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="a local model directory with a Hugging Face tokenizer (else: built-in tokenizer; "
+        "a hub name is used as the served model name only)",
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--schedule-policy", default="dlpm", help="local policy: " + ", ".join(policy_names())
+    )
+    p.add_argument("--schedule-policy-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--router-policy",
+        default="d2lpm",
+        help="router policy: " + ", ".join(router_policy_names()),
+    )
+    p.add_argument("--router-policy-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument(
+        "--backend", choices=("sim", "sglang"), default=None,
+        help="engine: 'sim' (simulated GPU; the default) or 'sglang' (real SGLang servers; "
+        "implied by --worker-url). With sglang, flags this launcher does not know are passed "
+        "to every SGLang server it starts",
+    )  # fmt: skip
+    p.add_argument(
+        "--worker-url", action="append", default=[], metavar="URL",
+        help="sglang: an SGLang server that is already running (repeat: one per worker; "
+        "dp = their number); the launcher then starts no server",
+    )  # fmt: skip
+    p.add_argument(
+        "--worker-kv-endpoint", action="append", default=[], metavar="EP",
+        help="sglang: the KV-event publisher of each --worker-url, in order (e.g. "
+        "tcp://host:5557); without it the router guesses the caches from what it routed",
+    )  # fmt: skip
+    p.add_argument(
+        "--health-check-interval", type=float, default=5.0, metavar="S",
+        help="sglang: seconds between a bridge's /health checks of its server",
+    )  # fmt: skip
+    p.add_argument(
+        "--health-check-timeout", type=float, default=30.0, metavar="S",
+        help="sglang: a server whose /health fails this long is taken out of routing",
+    )  # fmt: skip
+    p.add_argument("--gpu", default="H100-80GB", help="sim: " + ", ".join(GPUS))
+    p.add_argument("--model", default="Llama-3.1-8B", help="sim: " + ", ".join(MODELS))
+    p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=None)
+    p.add_argument("--kv-tokens", type=int, default=None, help="sim: KV pool per worker (tokens)")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="sim: simulated seconds per wall second (2 = twice as fast as the GPU; "
+        "inf = zero-cost engine)",
+    )  # fmt: skip
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--tenants", default=None, metavar="FILE", help="tenants TOML (keys, weights)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--kv-page-size", type=int, default=16, help="KV-event block size (tokens)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
+    p.add_argument(
+        "--startup-timeout", type=float, default=None, metavar="S",
+        help="wait this long for every worker (default: 120; sglang: 900, loading a model "
+        "takes minutes)",
+    )  # fmt: skip
+    return p
+
+
+_URL = re.compile(r"https?://[^/\s]+(/\S*)?")
+
+
+def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
+    parser = build_parser()
+    a, passthrough = parser.parse_known_args(argv)
+
+    def bad(msg: str) -> None:
+        parser.error(msg)  # exits 2 with the usage line and the message
+
+    backend = a.backend or ("sglang" if a.worker_url else "sim")
+    if passthrough and backend != "sglang":
+        bad("unrecognized arguments: " + " ".join(passthrough))
+    dp = _check_sglang(a, backend, passthrough, bad)
+    if dp < 1:
+        bad(f"--dp must be >= 1 (got {dp})")
+    if not 0 <= a.port <= 65535:
+        bad(f"--port must be in 0..65535 (got {a.port})")
+    if a.schedule_policy not in policy_names():
+        bad(f"--schedule-policy {a.schedule_policy!r} is unknown; choose from {policy_names()}")
+    if a.router_policy not in router_policy_names():
+        bad(f"--router-policy {a.router_policy!r} is unknown; choose from {router_policy_names()}")
+    for name in ("chunked_prefill_size", "max_running_requests", "kv_page_size", "max_body_bytes"):
+        if getattr(a, name) < 1:
+            bad(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    if not a.time_scale > 0:
+        bad(f"--time-scale must be > 0 (got {a.time_scale})")
+    try:
+        get_gpu(a.gpu)
+    except (KeyError, ValueError):
+        bad(f"--gpu {a.gpu!r} is unknown; choose from {sorted(GPUS)}")
+    try:
+        get_model(a.model)
+    except (KeyError, ValueError):
+        bad(f"--model {a.model!r} is unknown; choose from {sorted(MODELS)}")
+    try:
+        CostModel.from_names(a.gpu, a.model, tp=a.tp if backend == "sim" else None)
+    except ValueError as e:
+        bad(f"--gpu/--model/--tp: {e}")
+    if a.tp is not None and a.tp < 1:
+        bad(f"--tp must be >= 1 (got {a.tp})")
+    if a.context_length is not None and a.context_length < 2:
+        bad(f"--context-length must be >= 2 (got {a.context_length})")
+    if a.kv_tokens is not None and a.kv_tokens < 16:
+        bad(f"--kv-tokens must be >= 16 (got {a.kv_tokens})")
+    for flag, value in (
+        ("--health-check-interval", a.health_check_interval),
+        ("--health-check-timeout", a.health_check_timeout),
+        ("--startup-timeout", a.startup_timeout),
+    ):
+        if value is not None and not value > 0:
+            bad(f"{flag} must be > 0 (got {value})")
+    if a.backend is None and backend == "sim" and gpu_visible():
+        log.warning("a GPU is visible; using the simulator (--backend sglang runs SGLang)")
+    startup_timeout = a.startup_timeout
+    if startup_timeout is None:
+        startup_timeout = 900.0 if backend == "sglang" else 120.0
+    try:
+        sched_opts = _kv(a.schedule_policy_opt, "--schedule-policy-opt")
+        router_opts = _kv(a.router_policy_opt, "--router-policy-opt")
+        make_policy(a.schedule_policy, **sched_opts)
+        make_router_policy(a.router_policy, **router_opts)
+    except ValueError as e:
+        bad(str(e))
+    if a.tenants is not None:
+        try:
+            load_tenants(a.tenants)
+        except ConfigError as e:
+            bad(f"--tenants: {e}")
+    return LaunchConfig(
+        dp=dp,
+        host=a.host,
+        port=a.port,
+        model_path=a.model_path,
+        served_model_name=a.served_model_name,
+        schedule_policy=a.schedule_policy,
+        schedule_policy_opts=sched_opts,
+        router_policy=a.router_policy,
+        router_policy_opts=router_opts,
+        chunked_prefill_size=a.chunked_prefill_size,
+        max_running_requests=a.max_running_requests,
+        backend=backend,
+        gpu=a.gpu,
+        model=a.model,
+        tp=a.tp,
+        kv_tokens=a.kv_tokens,
+        time_scale=a.time_scale,
+        context_length=a.context_length,
+        tenants=a.tenants,
+        log_level=a.log_level,
+        max_body_bytes=a.max_body_bytes,
+        kv_page_size=a.kv_page_size,
+        heartbeat_timeout_s=a.heartbeat_timeout,
+        startup_timeout_s=startup_timeout,
+        worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
+        worker_kv_endpoints=tuple(a.worker_kv_endpoint),
+        sglang_args=tuple(passthrough),
+        health_check_interval_s=a.health_check_interval,
+        health_check_timeout_s=a.health_check_timeout,
+    )
+
+
+def _check_sglang(a: argparse.Namespace, backend: str, passthrough: list[str], bad: Any) -> int:
+    """The --backend sglang flags' checks; returns dp (the number of --worker-url if given)."""
+    urls, kv = a.worker_url, a.worker_kv_endpoint
+    if backend != "sglang":
+        if urls or kv:
+            bad("--worker-url / --worker-kv-endpoint need --backend sglang")
+        return 1 if a.dp is None else a.dp
+    if not urls:
+        if kv:
+            bad("--worker-kv-endpoint needs --worker-url (the servers it belongs to)")
+        if not a.model_path:
+            bad(
+                "--backend sglang needs --model-path (the model each SGLang server loads) "
+                "or --worker-url (SGLang servers already running)"
+            )
+        return 1 if a.dp is None else a.dp
+    if a.dp is not None and a.dp != len(urls):
+        bad(f"--dp {a.dp} does not match the {len(urls)} --worker-url given (one per worker)")
+    for url in urls:
+        if not _URL.fullmatch(url):
+            bad(f"--worker-url {url!r} is not an http:// or https:// URL")
+    if kv and len(kv) != len(urls):
+        bad(
+            f"--worker-kv-endpoint given {len(kv)} times for {len(urls)} --worker-url; "
+            "give one per URL, in the same order, or none"
+        )
+    for ep in kv:
+        if not ep.startswith(("tcp://", "ipc://")):
+            bad(f"--worker-kv-endpoint {ep!r} is not a zmq tcp:// or ipc:// endpoint")
+    if passthrough:
+        bad(
+            f"{' '.join(passthrough)}: unknown flags go to the SGLang servers the launcher "
+            "starts; with --worker-url it starts none"
+        )
+    return len(urls)
+
+
+def local_policy_opts(cfg: LaunchConfig, tenants: TenantTable | None) -> dict[str, Any]:
+    """The local policy's options, with tenant weights where the policy takes weights."""
+    opts = dict(cfg.schedule_policy_opts)
+    if tenants is not None and tenants.weights and "weights" not in opts:
+        cls = policy_class(cfg.schedule_policy)
+        fields_ = getattr(cls.Config, "__dataclass_fields__", {})
+        if "weights" in fields_:
+            opts["weights"] = dict(tenants.weights)
+    return opts

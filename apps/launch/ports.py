@@ -1,0 +1,28 @@
+"""Free TCP ports on loopback, for the servers the launcher starts and for tests."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+
+def free_ports(n: int, host: str = "127.0.0.1", *, avoid: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct ports that are free on ``host`` now."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in ports and port not in avoid:
+            ports.append(port)
+    return ports
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

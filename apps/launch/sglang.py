@@ -1,0 +1,133 @@
+"""``--backend sglang``: the SGLang servers the launcher starts and the bridges in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sgl_fair.config import TenantTable
+from sgl_fair.launch.config import LaunchConfig, local_policy_opts
+from sgl_fair.launch.ports import free_ports
+from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess
+
+# ---- --backend sglang --------------------------------------------------------------------------
+
+
+def sglang_server_command(
+    cfg: LaunchConfig,
+    i: int,
+    port: int,
+    kv_port: int,
+    *,
+    tenants: TenantTable | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of worker ``i``'s SGLang server: one data-parallel rank on
+    GPUs ``i*tp ..``, HTTP on loopback ``port``, its KV events published on ``kv_port``, our
+    local policy switched on by the plugin's environment variables. Flags the launcher does not
+    know come last, so they can override any of ours."""
+    from sgl_fair.worker.sglang.settings import PluginSettings
+
+    assert cfg.model_path is not None, "--backend sglang needs --model-path"
+    tp = cfg.tp or 1
+    kv_events = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{kv_port}",
+        "bind": True,  # a concrete loopback address: bind it (the router connects)
+        "topic": "",
+    }
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", cfg.model_path,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--base-gpu-id", str(i * tp),
+        "--tp-size", str(tp),
+        "--dp-size", "1",
+        "--kv-events-config", json.dumps(kv_events),
+        "--chunked-prefill-size", str(cfg.chunked_prefill_size),
+        "--max-running-requests", str(cfg.max_running_requests),
+    ]  # fmt: skip
+    if cfg.context_length is not None:
+        argv += ["--context-length", str(cfg.context_length)]
+    if cfg.served_model_name is not None:
+        argv += ["--served-model-name", cfg.served_model_name]
+    argv += cfg.sglang_args
+    env = dict(os.environ if environ is None else environ)
+    env.update(PluginSettings(cfg.schedule_policy, local_policy_opts(cfg, tenants)).env())
+    allowed = [x.strip() for x in env.get("SGLANG_PLUGINS", "").split(",") if x.strip()]
+    if allowed and "sgl_fair" not in allowed:  # a whitelist of SGLang plugins: add ours
+        env["SGLANG_PLUGINS"] = ",".join([*allowed, "sgl_fair"])
+    return argv, env
+
+
+def bridge_configs(
+    cfg: LaunchConfig, endpoints: str, urls: Sequence[str], server_pids: Sequence[int | None]
+) -> list[Any]:
+    from sgl_fair.worker.sglang.bridge import BridgeConfig
+
+    return [
+        BridgeConfig(
+            wid=i,
+            endpoints=endpoints,
+            url=url,
+            health_interval_s=cfg.health_check_interval_s,
+            health_timeout_s=cfg.health_check_timeout_s,
+            startup_timeout_s=cfg.startup_timeout_s,
+            log_level=cfg.log_level,
+            server_pid=pid,
+        )
+        for i, (url, pid) in enumerate(zip(urls, server_pids, strict=True))
+    ]
+
+
+async def probe_servers(urls: Sequence[str]) -> list[Any]:
+    """Each server's ``ServerInfo`` (context length, model) once they are up."""
+    import aiohttp
+
+    from sgl_fair.worker.sglang.bridge import probe_server
+
+    async with aiohttp.ClientSession() as http:
+        return list(await asyncio.gather(*(probe_server(http, url, 10.0) for url in urls)))
+
+
+def sglang_servers(cfg: LaunchConfig, tenants: TenantTable | None) -> ServerGroup:
+    """The ``cfg.dp`` SGLang servers to start, each with free ports and a log file."""
+    log_dir = tempfile.mkdtemp(prefix="sgl-fair-sglang-")
+    ports = free_ports(2 * cfg.dp, avoid=(cfg.port,))
+    servers = []
+    for i in range(cfg.dp):
+        argv, env = sglang_server_command(
+            cfg, i, ports[2 * i], ports[2 * i + 1], tenants=tenants, environ=os.environ
+        )
+        servers.append(ServerProcess(i, argv, env, os.path.join(log_dir, f"server-{i}.log")))
+    return ServerGroup(servers)
+
+
+def _flag(argv: Sequence[str], name: str) -> str:
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]  # the last one wins, as in argparse
+
+
+def server_url(argv: Sequence[str]) -> str:
+    return f"http://{_flag(argv, '--host')}:{_flag(argv, '--port')}"
+
+
+def server_kv_endpoint(argv: Sequence[str]) -> str:
+    endpoint = json.loads(_flag(argv, "--kv-events-config"))["endpoint"]
+    return endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
+
+
+def startup_error(e: Exception, servers: ServerGroup | None) -> str:
+    dead = servers.first_exit() if servers is not None else None
+    if dead is None:
+        return str(e)
+    tail = "\n".join("    " + line for line in dead.log_tail().splitlines())
+    return (
+        f"SGLang server {dead.index} exited with code {dead.exitcode()} during start-up "
+        f"(log: {dead.log_path}); its last lines:\n{tail}"
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from sgl_fair.loadtest import main
+
+sys.exit(main())
