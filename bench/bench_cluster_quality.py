@@ -12,13 +12,8 @@ import argparse
 import json
 import time
 
-from sgl_fair.experiment.cluster import (
-    EXPERIMENTS,
-    FULL_SECONDS,
-    UNFAIR,
-    Overrides,
-    apply_overrides,
-)
+from sgl_fair.experiment.cluster import EXPERIMENTS, Overrides, apply_overrides
+from sgl_fair.experiment.cluster_grid import FULL_SECONDS, UNFAIR
 from sgl_fair.experiment.cluster_runs import run_many
 
 CELLS = (("tot", "s2"), ("judge", "s1"))

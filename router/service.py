@@ -8,11 +8,18 @@ Runs on the HTTP server's asyncio loop (one process: HTTP front + router)::
                                         KV events (SGLang format) ◀─────── (zmq SUB per worker)
                                                  └─▶ KVEventDecoder ─▶ Router.apply_kv_ops
 
-Worker failure: a worker whose process exits or that stays silent for
-``heartbeat_timeout_s`` is removed from the router at once (never selected again, its tree
-entries dropped). Each of its calls is re-dispatched to a live worker if no token of it
-has reached the client yet (``Call.started``), else failed with a clear error — none is
-silently lost. A worker that says ``Hello`` again (restarted) rejoins.
+Worker failure: a worker whose process exits, whose socket is gone (a send finds no peer)
+or that stays silent for ``heartbeat_timeout_s`` is removed from the router at once (never
+selected again, its tree entries dropped). Each of its calls is re-dispatched to a live worker
+if no token of it has reached the client yet (``Call.started``), else failed with a clear
+error — none is silently lost, and a dispatch never fails because one worker is gone.
+
+Silence is judged fairly: before a worker is declared silent, the frames already queued for
+the router are read (a stalled router loop is not a dead worker), and a watchdog tick that
+itself ran late judges nobody. A worker declared silent whose process still runs is taken
+back as soon as it speaks again; the requests it still holds but that moved elsewhere are
+aborted there. A worker process that exited is restarted by the launcher's ``restarter``
+(when given) with exponential backoff; the new process says ``Hello`` and rejoins.
 """
 
 from __future__ import annotations
@@ -49,7 +56,11 @@ log = logging.getLogger("sgl_fair.router")
 
 
 class NoWorkerError(RuntimeError):
-    """No live worker can take a request (HTTP 503)."""
+    """No live worker can take a request (HTTP 503 with ``retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False)
@@ -90,9 +101,17 @@ class WorkerState:
     kv_seq: int = -1
     kv_gaps: int = 0
     decoder: kv_events.KVEventDecoder = field(default_factory=kv_events.KVEventDecoder)
+    num_restarts: int = 0  # processes the launcher started again after this one exited
+    restart_at: float | None = None  # when the next restart is due (backoff)
+    backoff_s: float = 0.0
+    ready_s: float = 0.0  # when it last said Hello (a long life resets the backoff)
+    num_revived: int = 0  # declared silent, then heard from again
+    orphans: set[str] = field(default_factory=set)  # rids it holds that moved elsewhere
 
 
 class RouterService:
+    RESET_BACKOFF_AFTER_S = 60.0
+
     def __init__(
         self,
         router: Router,
@@ -103,8 +122,14 @@ class RouterService:
         heartbeat_timeout_s: float = 10.0,
         max_attempts: int = 3,
         kv_endpoints: list[str] | None = None,
+        restarter: Callable[[int], Any] | None = None,
+        restart_backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``restarter(wid)`` starts worker ``wid``'s process again and returns it (the
+        launcher's); without one a worker whose process exited stays out.
+        ``restart_backoff_s``: the first delay and the cap; the delay doubles per restart and
+        resets once a worker stays up for ``RESET_BACKOFF_AFTER_S``."""
         self.router = router
         self.endpoints = endpoints
         self.num_workers = num_workers
@@ -113,6 +138,8 @@ class RouterService:
         self.max_attempts = max_attempts
         self.kv_endpoints = kv_endpoints or [endpoints.worker_kv(i) for i in range(num_workers)]
         self.clock = clock
+        self.restarter = restarter
+        self.restart_backoff_s = restart_backoff_s
         self.calls: dict[str, Call] = {}
         self.workers = {i: WorkerState(i) for i in range(num_workers)}
         self.ready = asyncio.Event()
@@ -214,21 +241,47 @@ class RouterService:
         return call
 
     def _dispatch(self, call: Call) -> None:
-        if not self.router.workers:
-            raise NoWorkerError("no worker is alive")
-        call.attempts += 1
-        msg = self.router.dispatch(call.req, self.clock())
-        call.worker = msg.worker
-        self.push[msg.worker].send(encode(msg), zmq.NOBLOCK, copy=False)
+        """Send ``call`` to the worker the router picks; a worker whose socket has no peer
+        (its process is gone, not yet noticed) is declared dead and the next one is tried."""
+        while True:
+            if not self.router.workers:
+                raise NoWorkerError("no worker is alive", self.retry_after_s())
+            call.attempts += 1
+            msg = self.router.dispatch(call.req, self.clock())
+            call.worker = msg.worker
+            if self._send(msg.worker, msg):
+                return
+            call.worker = -1  # not the dead worker's any more: worker_dead leaves it to us
+            self.worker_dead(msg.worker, "its socket has no peer (process gone)")
+
+    def _send(self, wid: int, msg: Any) -> bool:
+        """Queue ``msg`` for worker ``wid``; False when nobody is connected at the other end
+        (with an unbounded queue, that is the only reason a non-blocking send fails)."""
+        try:
+            self.push[wid].send(encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def restart_in_s(self, wid: int) -> float | None:
+        """Seconds until worker ``wid``'s process is started again; None if none is due."""
+        due = self.workers[wid].restart_at
+        return None if due is None else round(max(0.0, due - self.clock()), 3)
+
+    def retry_after_s(self) -> float:
+        """When a client should try again with no worker alive: the next restart due."""
+        due = [w.restart_at for w in self.workers.values() if w.restart_at is not None]
+        if not due:
+            return 5.0
+        return max(1.0, min(due) - self.clock() + 1.0)
 
     def abort(self, call: Call, reason: str) -> None:
         """Ask the worker to drop ``call`` (its Finished(ABORTED) completes it)."""
         if call.done.is_set() or call.aborted is not None:
             return
         call.aborted = reason
-        if self.workers[call.worker].alive:
-            self.push[call.worker].send(encode(Abort(call.worker, call.rid, reason)), zmq.NOBLOCK)
-        else:
+        w = self.workers.get(call.worker)
+        if w is None or not w.alive or not self._send(w.wid, Abort(w.wid, call.rid, reason)):
             self._fail(call, reason, 499)
 
     def _fail(self, call: Call, error: str, status: int) -> None:
@@ -248,7 +301,8 @@ class RouterService:
         answers: dict[int, bool] = {}
         self._flushes[token] = answers
         for w in alive:
-            self.push[w.wid].send(encode(FlushCache(w.wid, token)), zmq.NOBLOCK)
+            if not self._send(w.wid, FlushCache(w.wid, token)):
+                answers[w.wid] = False
         deadline = self.clock() + timeout_s
         while len(answers) < len(alive) and self.clock() < deadline:
             self._flush_event.clear()
@@ -272,10 +326,13 @@ class RouterService:
         lost = self.router.remove_worker(wid)
         w.decoder = kv_events.KVEventDecoder()
         w.kv_seq = -1
+        if w.process is not None and self.restarter is not None and not w.process.is_alive():
+            self._schedule_restart(w)
         for rid in lost:
             call = self.calls.get(rid)
-            if call is None:
+            if call is None or call.worker != wid:
                 continue
+            w.orphans.add(rid)  # if it comes back, it still holds this one
             if call.started or call.aborted is not None or call.attempts >= self.max_attempts:
                 self.num_failed_by_death += 1
                 self._fail(call, f"worker {wid} failed mid-request ({why})", 502)
@@ -290,6 +347,41 @@ class RouterService:
                 self.num_failed_by_death += 1
                 self._fail(call, f"worker {wid} failed and no other worker is alive", 503)
 
+    def _schedule_restart(self, w: WorkerState) -> None:
+        lo, hi = self.restart_backoff_s
+        if w.ready_s and self.clock() - w.ready_s >= self.RESET_BACKOFF_AFTER_S:
+            w.backoff_s = 0.0  # it had been up a long time: start over
+        w.backoff_s = lo if w.backoff_s <= 0 else min(hi, 2 * w.backoff_s)
+        w.restart_at = self.clock() + w.backoff_s
+        log.warning("restarting worker %d in %.1fs", w.wid, w.backoff_s)
+
+    def _restart(self, w: WorkerState) -> None:
+        w.restart_at = None
+        assert self.restarter is not None
+        try:
+            w.process = self.restarter(w.wid)
+        except Exception as e:  # a failed start is retried later, never fatal to the router
+            log.error("could not restart worker %d: %s", w.wid, e)
+            self._schedule_restart(w)
+            return
+        w.num_restarts += 1
+        w.orphans.clear()  # a new process holds nothing
+        self.telemetry.worker_restarted(w.wid)
+
+    def _revive(self, w: WorkerState) -> None:
+        """A worker declared silent spoke again: its process never stopped. Take it back;
+        the requests that moved elsewhere meanwhile are aborted there."""
+        log.warning("worker %d is answering again (was: %s); taking it back", w.wid, w.death)
+        w.alive = True
+        w.death = None
+        w.num_revived += 1
+        w.last_seen = self.clock()
+        self.router.add_worker(w.wid)
+        self.telemetry.worker_alive(w.wid, True)
+        for rid in w.orphans:
+            self._send(w.wid, Abort(w.wid, rid, "reassigned while this worker was silent"))
+        w.orphans.clear()
+
     def _hello(self, msg: Hello) -> None:
         w = self.workers.get(msg.worker)
         if w is None:
@@ -298,6 +390,8 @@ class RouterService:
         w.alive = True
         w.death = None
         w.ever_ready = True
+        w.ready_s = self.clock()
+        w.restart_at = None
         w.pid = msg.pid
         w.engine = msg.engine
         w.kv_capacity_tokens = msg.kv_capacity_tokens
@@ -342,7 +436,10 @@ class RouterService:
             self._hello(msg)
             return
         if not w.alive:
-            return  # late message from a worker declared dead: its calls moved on
+            proc = w.process
+            if w.restart_at is not None or (proc is not None and not proc.is_alive()):
+                return  # a late frame from a process that is gone: its calls moved on
+            self._revive(w)
         w.last_seen = now
         if isinstance(msg, Tokens):
             self.router.handle(msg, now)
@@ -413,15 +510,47 @@ class RouterService:
             except Exception:
                 log.exception("worker %d: error applying KV events", wid)
 
+    def _drain_pull(self) -> None:
+        """Handle every frame already queued for the router (synchronously)."""
+        while True:
+            try:
+                frame = zmq.Socket.recv(self.pull, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frame(frame)
+
     async def _watch_loop(self, period_s: float = 0.2) -> None:
+        last_tick = self.clock()
         while True:
             await asyncio.sleep(period_s)
             now = self.clock()
-            for w in self.workers.values():
-                if w.death is not None and not w.alive:
-                    continue
-                proc = w.process
-                if proc is not None and not proc.is_alive():
-                    self.worker_dead(w.wid, f"process exited with code {proc.exitcode}")
-                elif w.alive and now - w.last_seen > self.heartbeat_timeout_s:
-                    self.worker_dead(w.wid, f"no message for {now - w.last_seen:.1f}s")
+            self.watch_tick(now, late_s=now - last_tick - period_s)
+            last_tick = now
+
+    def watch_tick(self, now: float, *, late_s: float = 0.0) -> None:
+        """One watchdog round: due restarts, exited processes, silent workers. ``late_s``:
+        how late this round runs (the loop's own stall)."""
+        self.telemetry.loop_lag(late_s)
+        for w in self.workers.values():
+            if w.restart_at is not None and now >= w.restart_at and not self.closing:
+                self._restart(w)
+            if w.death is not None and not w.alive:
+                continue
+            proc = w.process
+            if proc is not None and not proc.is_alive():
+                self.worker_dead(w.wid, f"process exited with code {proc.exitcode}")
+        if late_s > self.heartbeat_timeout_s / 4:
+            # This round itself ran late: the router was stalled, so the workers' silence
+            # says nothing about them. Judge again next round, once their frames are read.
+            log.warning("router loop stalled for %.1fs; liveness not judged", late_s)
+            return
+        silent = [
+            w for w in self.workers.values()
+            if w.alive and now - w.last_seen > self.heartbeat_timeout_s
+        ]  # fmt: skip
+        if not silent:
+            return
+        self._drain_pull()  # their heartbeats may be queued behind our own stall
+        for w in silent:
+            if w.alive and now - w.last_seen > self.heartbeat_timeout_s:
+                self.worker_dead(w.wid, f"no message for {now - w.last_seen:.1f}s")

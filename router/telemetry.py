@@ -85,6 +85,17 @@ class Telemetry:
         self.alive = Gauge(
             p + "worker_alive", "1 while the worker is alive", ["worker"], registry=r
         )
+        self.restarts = Counter(
+            p + "worker_restarts",
+            "Worker processes restarted after they exited",
+            ["worker"],
+            registry=r,
+        )
+        self.loop_lag_s = Gauge(
+            p + "router_loop_lag_seconds",
+            "How late the router's event loop ran its last watchdog tick",
+            registry=r,
+        )
         self._prompt = 0
         self._cached = 0
 
@@ -131,6 +142,12 @@ class Telemetry:
 
     def worker_alive(self, worker: int, alive: bool) -> None:
         self.alive.labels(str(worker)).set(1 if alive else 0)
+
+    def worker_restarted(self, worker: int) -> None:
+        self.restarts.labels(str(worker)).inc()
+
+    def loop_lag(self, late_s: float) -> None:
+        self.loop_lag_s.set(max(0.0, late_s))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

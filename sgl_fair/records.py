@@ -7,9 +7,10 @@ live server and the SGLang backend all report through the same code.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from sgl_fair.request import ClientId, Phase, Request
+from sgl_fair.request import ClientId, Phase, Request, ServiceClass
 
 
 class EventKind(str, enum.Enum):
@@ -64,15 +65,58 @@ class RequestRecord:
         return None if self.finish_s is None else self.finish_s - self.arrival_s
 
     @classmethod
-    def from_request(cls, req: Request) -> RequestRecord:
+    def build(
+        cls,
+        *,
+        rid: str,
+        client: ClientId,
+        arrival_s: float,
+        input_len: int,
+        output_len: int,
+        output_ids: Sequence[int] = (),
+        prefix_len: int | None = None,
+        admit_s: float | None = None,
+        first_token_s: float | None = None,
+        finish_s: float | None = None,
+        rejected: bool = False,
+        reject_reason: str | None = None,
+        num_retractions: int = 0,
+        service_class: str = ServiceClass.BE.value,
+        interaction_id: str | None = None,
+        app: str | None = None,
+    ) -> RequestRecord:
+        """The one way a record is made, by the scheduler (``from_request``) and by the live
+        load-test client alike. The defaults are what an observer outside the server cannot
+        see (no retractions, best-effort); a prefix that was never measured counts as 0."""
         return cls(
+            rid=rid,
+            client=client,
+            arrival_s=arrival_s,
+            input_len=input_len,
+            output_len=output_len,
+            num_output=len(output_ids),
+            prefix_len=prefix_len or 0,
+            admit_s=admit_s,
+            first_token_s=first_token_s,
+            finish_s=finish_s,
+            rejected=rejected,
+            reject_reason=reject_reason,
+            num_retractions=num_retractions,
+            service_class=service_class,
+            interaction_id=interaction_id,
+            app=app,
+        )
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestRecord:
+        return cls.build(
             rid=req.rid,
             client=req.client,
             arrival_s=req.arrival_s,
             input_len=req.input_len,
             output_len=req.output_len,
-            num_output=len(req.output_ids),
-            prefix_len=req.first_prefix_len or 0,
+            output_ids=req.output_ids,
+            prefix_len=req.first_prefix_len,
             admit_s=req.admit_s,
             first_token_s=req.first_token_s,
             finish_s=req.finish_s,

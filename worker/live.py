@@ -30,11 +30,13 @@ import zmq
 from sgl_fair import kv_events
 from sgl_fair.messages import Abort, Dispatch, FlushCache, Flushed, Hello, Shutdown
 from sgl_fair.policies import make_policy
+from sgl_fair.request import Request
 from sgl_fair.transport import Endpoints, WireError, decode, encode
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.service import WorkerCore
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.runner import make_sim_worker
+from sgl_fair.worker.sim.text import EosLengths, TextModel
 
 log = logging.getLogger("sgl_fair.worker")
 
@@ -55,6 +57,11 @@ class LiveWorkerConfig:
     kv_page_size: int = 16
     load_interval_s: float = 0.1
     log_level: str = "warning"
+    # What the simulated model says (sim.text): where it stops on its own (None: at
+    # max_new_tokens), its EOS id, and the tokenizer's ids for ".", "," and "\n".
+    eos_lengths: EosLengths | None = None
+    eos_token_id: int | None = None
+    text: TextModel | None = None
 
 
 def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
@@ -65,6 +72,8 @@ def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
         kv_tokens=cfg.kv_tokens,
         config=cfg.scheduler,
         token_range=cfg.token_range,
+        text=cfg.text,
+        eos_token_id=cfg.eos_token_id if cfg.eos_lengths is not None else None,
     )
     return WorkerCore(
         cfg.wid,
@@ -121,10 +130,19 @@ class LiveWorker:
         for msg in drained.messages:
             self.send(msg)
 
+    def natural_end(self, req: Request) -> Request:
+        """Where the simulated model stops on its own: at its drawn EOS length if that comes
+        before ``max_new_tokens``, unless the request asked to ``ignore_eos``."""
+        eos = self.cfg.eos_lengths
+        if eos is None or (req.sampling or {}).get("ignore_eos"):
+            return req
+        req.output_len = min(req.output_len, eos.length(req.rid))
+        return req
+
     def handle(self, msg: Any) -> None:
         now = time.time()
         if isinstance(msg, Dispatch):
-            self.core.add(msg.req, now)
+            self.core.add(self.natural_end(msg.req), now)
         elif isinstance(msg, Abort):
             self.core.abort(msg.rid, now, msg.reason)
         elif isinstance(msg, FlushCache):

@@ -170,10 +170,12 @@ class WorkerCore:
             reason, error = FinishReason.REJECTED, req.reject_reason
         elif req.phase is Phase.ABORTED:
             reason, error = FinishReason.ABORTED, req.abort_reason
+        elif req.output_ids and req.output_ids[-1] == getattr(self.engine, "eos_token_id", None):
+            reason = FinishReason.STOP  # the (simulated) model ended on EOS
         else:
             reason = FinishReason.LENGTH
         lp = None
-        if req.return_logprob and reason is FinishReason.LENGTH:
+        if req.return_logprob and reason in (FinishReason.LENGTH, FinishReason.STOP):
             lp = self.engine.logprobs(req)
         return Finished(
             self.wid,

@@ -100,9 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             out=Path(args.out),
             stream_interval=STREAM_INTERVAL,
         )
-        from sgl_fair.loadtest import _progress_bar
+        from sgl_fair.loadtest import progress_bar
 
-        with _progress_bar(sys.stderr.isatty()) as update:
+        with progress_bar(sys.stderr.isatty()) as update:
             results = run_loadtest(config, on_update=update)
         print_fairness(results)
         print(f"report: {results['paths']['report']}")

@@ -17,6 +17,7 @@ from sgl_fair.policies import make_policy, policy_class, policy_names
 from sgl_fair.router.policies import make_router_policy, router_policy_names
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.hardware import GPUS, MODELS, get_gpu, get_model
+from sgl_fair.worker.sim.text import EosLengths
 
 log = logging.getLogger("sgl_fair.launch")
 
@@ -46,6 +47,9 @@ class LaunchConfig:
     max_body_bytes: int = 16 << 20
     kv_page_size: int = 16
     heartbeat_timeout_s: float = 10.0
+    worker_restart_backoff_s: float = 0.5  # first delay before restarting a dead worker; 0: never
+    sim_eos: EosLengths | None = field(default_factory=EosLengths)  # None: run to max_new_tokens
+    sim_text: bool = True  # punctuation and newlines in simulated output
     startup_timeout_s: float = 120.0
     max_tree_tokens: int | None = 4_000_000
     # --backend sglang
@@ -151,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-page-size", type=int, default=16, help="KV-event block size (tokens)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
     p.add_argument(
+        "--sim-eos", default="192,0.9", metavar="MEDIAN[,SIGMA]|off",
+        help="the simulated model stops on its own (EOS) after a log-normal number of tokens "
+        "per request (default median 192, sigma 0.9; off: every request runs to its "
+        "max_new_tokens); ignore_eos is respected",
+    )  # fmt: skip
+    p.add_argument(
+        "--sim-text", default="on", choices=("on", "off"),
+        help="simulated output has sentence ends, commas and newlines (so stop strings fire)",
+    )  # fmt: skip
+    p.add_argument(
+        "--worker-restart-backoff", type=float, default=0.5, metavar="S",
+        help="restart a simulated worker whose process exited after S seconds, doubling per "
+        "restart up to 30 s (0: never restart)",
+    )  # fmt: skip
+    p.add_argument(
         "--startup-timeout", type=float, default=None, metavar="S",
         help="wait this long for every worker (default: 120; sglang: 900, loading a model "
         "takes minutes)",
@@ -185,6 +204,14 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
             bad(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if not a.time_scale > 0:
         bad(f"--time-scale must be > 0 (got {a.time_scale})")
+    if not a.heartbeat_timeout > 0:
+        bad(f"--heartbeat-timeout must be > 0 (got {a.heartbeat_timeout})")
+    try:
+        sim_eos = EosLengths.parse(a.sim_eos)
+    except ValueError as e:
+        bad(f"--sim-eos: {e}")
+    if not 0 <= a.worker_restart_backoff <= 3600:
+        bad(f"--worker-restart-backoff must be in 0..3600 s (got {a.worker_restart_backoff})")
     try:
         get_gpu(a.gpu)
     except (KeyError, ValueError):
@@ -251,6 +278,9 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         max_body_bytes=a.max_body_bytes,
         kv_page_size=a.kv_page_size,
         heartbeat_timeout_s=a.heartbeat_timeout,
+        worker_restart_backoff_s=a.worker_restart_backoff,
+        sim_eos=sim_eos,
+        sim_text=a.sim_text == "on",
         startup_timeout_s=startup_timeout,
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),

@@ -27,6 +27,7 @@ from sgl_fair.launch.sglang import (
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.sglang.servers import WatchedWorker
 from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.text import TextModel
 
 log = logging.getLogger("sgl_fair.launch")
 
@@ -38,20 +39,41 @@ class ProcessGroup:
 
     def __init__(self) -> None:
         self.procs: list[multiprocessing.Process] = []
+        self._configs: list[Any] = []
+        self._target: Any = None
+        self._stopping = False
 
     def start(self, configs: Sequence[Any], target: Any = None) -> None:
         """One process per config running ``target(config)`` (default: a simulated worker)."""
         if target is None:
             from sgl_fair.worker.live import worker_main as target
 
-        ctx = multiprocessing.get_context("spawn")
+        self._target = target
         for wcfg in configs:
-            proc = ctx.Process(target=target, args=(wcfg,), name=f"sgl-fair-worker-{wcfg.wid}")
-            proc.daemon = True
-            proc.start()
-            self.procs.append(proc)
+            self._configs.append(wcfg)
+            self.procs.append(self._spawn(wcfg))
+
+    def _spawn(self, wcfg: Any) -> multiprocessing.Process:
+        ctx = multiprocessing.get_context("spawn")
+        name = f"sgl-fair-worker-{wcfg.wid}"
+        proc = ctx.Process(target=self._target, args=(wcfg,), name=name)
+        proc.daemon = True
+        proc.start()
+        return proc
+
+    def restart(self, i: int) -> multiprocessing.Process:
+        """Start worker ``i`` again (its process exited); returns the new process. The router
+        service calls this, with backoff, when it sees the old one gone."""
+        if self._stopping:
+            raise RuntimeError("the launcher is stopping")
+        old = self.procs[i]
+        old.join(0.1)  # reap it
+        self.procs[i] = self._spawn(self._configs[i])
+        log.warning("worker %d restarted (pid %s)", i, self.procs[i].pid)
+        return self.procs[i]
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
         for proc in self.procs:
             proc.join(timeout_s / max(len(self.procs), 1))
         for proc in self.procs:
@@ -88,9 +110,23 @@ def sim_worker_configs(cfg: LaunchConfig, state: Any) -> list[Any]:
             token_range=state.tokenizer.output_token_range,
             kv_page_size=cfg.kv_page_size,
             log_level=cfg.log_level,
+            eos_lengths=cfg.sim_eos,
+            eos_token_id=state.tokenizer.eos_token_id,
+            text=text_model(state.tokenizer) if cfg.sim_text else None,
         )
         for i in range(cfg.dp)
     ]
+
+
+def text_model(tokenizer: Any) -> TextModel:
+    """The simulated model's punctuation, in the server tokenizer's ids (a mark that is not
+    one token in this vocabulary is left out)."""
+
+    def one_id(text: str) -> int | None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    return TextModel(period_id=one_id("."), comma_id=one_id(","), newline_id=one_id("\n"))
 
 
 def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
@@ -185,6 +221,11 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
             procs.start(bridge_configs(cfg, state.service.endpoints.base, urls, pids), bridge_main)
         else:
             procs.start(sim_worker_configs(cfg, state))
+            # A simulated worker that exits is started again (an SGLang server is not: its
+            # start takes minutes and its failure usually needs an operator).
+            if cfg.worker_restart_backoff_s > 0:
+                state.service.restarter = procs.restart
+                state.service.restart_backoff_s = (cfg.worker_restart_backoff_s, 30.0)
         for i, proc in enumerate(procs.procs):
             watched = proc if servers is None else WatchedWorker(proc, servers.servers[i])
             state.service.watch_process(i, watched)

@@ -90,7 +90,7 @@ async def probe_servers(urls: Sequence[str]) -> list[Any]:
     """Each server's ``ServerInfo`` (context length, model) once they are up."""
     import aiohttp
 
-    from sgl_fair.worker.sglang.bridge import probe_server
+    from sgl_fair.worker.sglang.http_api import probe_server
 
     async with aiohttp.ClientSession() as http:
         return list(await asyncio.gather(*(probe_server(http, url, 10.0) for url in urls)))

@@ -11,14 +11,13 @@ import pytest
 
 from sgl_fair.experiment import main
 from sgl_fair.experiment.cluster import (
-    D2LPM,
     EXPERIMENTS,
-    RR_LPM,
     Overrides,
     apply_overrides,
     run_cluster_experiment,
 )
 from sgl_fair.experiment.cluster_runs import RunSpec, run_one
+from sgl_fair.workloads.combos import D2LPM, RR_LPM
 
 ROW_FIELDS = {
     "router",

@@ -89,8 +89,10 @@ def test_api_keys_identify_tenants_and_cannot_be_spoofed(tmp_path):
 
 
 def test_killed_worker_loses_no_request(tmp_path):
-    """Kill a worker mid-run: every request completes or gets an error; routing stops."""
+    """Kill a worker mid-run: every request completes or gets an error; routing stops.
+    (With restarts off: tests/router/test_server_faults.py covers the restart.)"""
     args = ("--dp", "2", "--time-scale", "0.5", "--gpu", "A10G", "--model", "Llama-2-7B")
+    args += ("--worker-restart-backoff", "0")
     with launched(*args, "--kv-tokens", "10000", tmp_path=tmp_path) as s:
         victim = s.info()["workers"][0]
 

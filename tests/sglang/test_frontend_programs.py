@@ -28,11 +28,8 @@ sgl = pytest.importorskip("sglang")
 
 from sgl_fair.loadtest import FRONTEND  # noqa: E402
 from sgl_fair.loadtest import main as loadtest_main  # noqa: E402
-from sgl_fair.workloads.harness import (  # noqa: E402
-    HarnessConfig,
-    build_clients,
-    fairness_table,
-)
+from sgl_fair.workloads.harness import HarnessConfig, build_clients  # noqa: E402
+from sgl_fair.workloads.harness_report import fairness_table  # noqa: E402
 from sgl_fair.workloads.programs.sgl_driver import (  # noqa: E402
     FrontendDriver,
     frontend_programs,

@@ -38,7 +38,7 @@ from live_helpers import (  # noqa: E402
 
 from sgl_fair.messages import FinishReason  # noqa: E402
 from sgl_fair.request import Request  # noqa: E402
-from sgl_fair.worker.sglang.bridge import (  # noqa: E402
+from sgl_fair.worker.sglang.http_api import (  # noqa: E402
     DEFAULT_RETRY_AFTER_S,
     SSEParser,
     StreamState,
@@ -437,6 +437,7 @@ def _start_victim(tmp_path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(tmp_path / f"victim-{port}.log", "w")  # noqa: SIM115 - the process keeps it
     cmd = [sys.executable, "-m", "sgl_fair.launch", "--port", str(port), "--time-scale", "4"]
+    cmd += ["--sim-eos", "off"]  # the stand-in server runs every request to its length
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):

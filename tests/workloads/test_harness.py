@@ -25,13 +25,8 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from sgl_fair.loadtest import LoadTestConfig, LoadTestError, main, run_loadtest  # noqa: E402
-from sgl_fair.workloads.harness import (  # noqa: E402
-    HarnessConfig,
-    build_clients,
-    drive,
-    fairness_table,
-    harness_row,
-)
+from sgl_fair.workloads.harness import HarnessConfig, build_clients, drive  # noqa: E402
+from sgl_fair.workloads.harness_report import fairness_table, harness_row  # noqa: E402
 from sgl_fair.workloads.programs import Out, PromptOf, generate_programs  # noqa: E402
 
 ROW_FIELDS = {
@@ -691,7 +686,7 @@ def test_unreachable_and_missing_flags_do_not_leave_files(tmp_path):
 
 
 def test_sse_parser_survives_odd_lines():
-    from sgl_fair.workloads.harness import CallFailed, CallRecord, apply_chunk
+    from sgl_fair.workloads.loadclient import CallFailed, CallRecord, apply_chunk
 
     rec = CallRecord("p/a", "t-p/a", "c", "p", "a", "judge", 0, 4, 3, 0.0)
     assert not apply_chunk(rec, {"output_ids": [], "meta_info": {"completion_tokens": 0}}, 0.1)

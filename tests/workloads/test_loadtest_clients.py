@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_fair.loadtest import (
-    FRONTEND,
-    LoadTestConfig,
-    LoadTestError,
-    _clients,
-    _parse_clients,
-    build_parser,
-    config_from_args,
-    validate,
-)
+from sgl_fair.loadtest import FRONTEND, LoadTestConfig, LoadTestError
+from sgl_fair.loadtest.cli import _parse_clients, build_parser, config_from_args
+from sgl_fair.loadtest.config import validate
+from sgl_fair.loadtest.run import _clients
 
 BASE = ["--url", "http://127.0.0.1:9", "--workload", "tot", "--scenario", "s1", "--duration", "2"]
 

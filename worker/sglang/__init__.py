@@ -5,6 +5,7 @@
 * ``adapter``: the hooks — our policy orders SGLang's waiting queue and is charged from what
   SGLang actually admitted, decoded, finished, aborted and retracted.
 * ``bridge``: one SGLang server behind our router, speaking the router's worker protocol.
+* ``http_api``: what SGLang's HTTP API carries (``/generate`` bodies, SSE, server info).
 * ``servers``: the SGLang server processes ``launch --backend sglang`` starts and stops.
 
 Only ``adapter`` and ``plugin`` import sglang; the rest imports on any machine.

@@ -18,17 +18,16 @@ Liveness: ``Load`` every ``load_interval_s`` is the router's heartbeat. The brid
 (non-zero, one log line) when ``/health`` has failed for ``health_timeout_s`` or the server
 process it watches is gone, so the router's process watch marks the worker dead.
 
-No sglang import: the bridge talks HTTP only.
+This module is the process (zmq, the requests in flight, liveness); what SGLang's HTTP API
+carries (probe, request body, stream events, error mapping) is in ``http_api``. No sglang
+import: the bridge talks HTTP only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import os
-import re
 import signal
 import sys
 import time
@@ -36,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -55,10 +53,22 @@ from sgl_fair.messages import (
 from sgl_fair.request import Request
 from sgl_fair.transport import Endpoints, WireError, decode, encode
 
+from .http_api import (
+    Outcome,
+    ServerInfo,
+    SSEParser,
+    StreamState,
+    decode_json,
+    error_message,
+    generate_body,
+    get_json,
+    probe_server,
+    retry_after_header,
+    status_outcome,
+)
+
 log = logging.getLogger("sgl_fair.bridge")
 
-# A 429 inside a stream carries no Retry-After header: when to retry, then.
-DEFAULT_RETRY_AFTER_S = 1.0
 EXIT_SERVER_GONE = 3
 
 
@@ -75,253 +85,6 @@ class BridgeConfig:
     abort_grace_s: float = 1.0  # after /abort_request, wait this long before hanging up
     log_level: str = "warning"
     server_pid: int | None = None  # exit when this process is gone
-
-
-# ---- what the server says about itself -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    version: str = ""
-    model_path: str = ""
-    kv_capacity_tokens: int = 0  # 0: unknown
-    context_len: int | None = None
-    incremental: bool = False  # --incremental-streaming-output: chunks carry only new ids
-
-    @property
-    def engine(self) -> str:
-        return " ".join(x for x in ("sglang", self.version, self.model_path) if x)
-
-
-async def _get_json(http: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
-    """The JSON at ``url``, or None when it is not there (any error, non-200, not JSON)."""
-    try:
-        async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                return None
-            return await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        return None
-
-
-def _positive_int(*values: Any) -> int | None:
-    for v in values:
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-async def probe_server(
-    http: aiohttp.ClientSession, url: str, timeout_s: float = 30.0
-) -> ServerInfo:
-    """Version, model, KV capacity and context length from the server's info endpoints
-    (``/server_info`` then ``/get_server_info``; ``/model_info``; ``/v1/models``); what a
-    server does not report stays unknown."""
-    info = await _get_json(http, url + "/server_info", timeout_s)
-    if not isinstance(info, dict):
-        info = await _get_json(http, url + "/get_server_info", timeout_s)
-    info = info if isinstance(info, dict) else {}
-    model = await _get_json(http, url + "/model_info", timeout_s)
-    if not isinstance(model, dict):
-        model = await _get_json(http, url + "/get_model_info", timeout_s)
-    model = model if isinstance(model, dict) else {}
-    models = await _get_json(http, url + "/v1/models", timeout_s)
-    cards = models.get("data") if isinstance(models, dict) else None
-    card = cards[0] if isinstance(cards, list) and cards and isinstance(cards[0], dict) else {}
-    return ServerInfo(
-        version=str(info.get("version") or ""),
-        model_path=str(model.get("model_path") or info.get("model_path") or ""),
-        kv_capacity_tokens=_positive_int(
-            info.get("max_total_num_tokens"), model.get("max_total_num_tokens")
-        )
-        or 0,
-        context_len=_positive_int(
-            card.get("max_model_len"), model.get("context_length"), info.get("context_length")
-        ),
-        incremental=bool(info.get("incremental_streaming_output", False)),
-    )
-
-
-# ---- one request -----------------------------------------------------------------------------
-
-
-def generate_body(req: Request) -> dict[str, Any]:
-    """The streaming ``/generate`` body for ``req`` (SGLang's native API)."""
-    sampling = dict(req.sampling or {})
-    sampling["max_new_tokens"] = req.max_new_tokens
-    body: dict[str, Any] = {
-        "input_ids": list(req.input_ids),
-        "sampling_params": sampling,
-        "stream": True,
-        "rid": req.rid,
-        "routing_key": req.client,
-    }
-    if req.return_logprob:
-        body["return_logprob"] = True
-        body["logprob_start_len"] = req.logprob_start_len
-        if req.top_logprobs_num:
-            body["top_logprobs_num"] = req.top_logprobs_num
-    return body
-
-
-class SSEParser:
-    """Server-sent events from arbitrary byte chunks: the payloads of ``data:`` lines (no line
-    length limit; SGLang's cumulative chunks grow with the output)."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
-        out = []
-        for line in lines:
-            line = line.rstrip(b"\r")
-            if line.startswith(b"data:"):
-                out.append(line[5:].strip())
-        return out
-
-
-@dataclass(frozen=True)
-class Outcome:
-    reason: FinishReason
-    error: str | None = None
-    retry_after_s: float | None = None
-
-
-_RETRY_AFTER_TEXT = re.compile(r"retry after ([0-9]+(?:\.[0-9]*)?)\s*s")
-
-
-def status_outcome(status: Any, message: str, retry_after_s: float | None = None) -> Outcome:
-    """A failure the server answered with HTTP ``status``: its 4xx refuse the request
-    (429: for now), anything else aborts it. A 429 inside a stream has no Retry-After header;
-    our plugin's refusal says "(retry after 2.5s)" in its message."""
-    if status == 429:
-        if retry_after_s is None:
-            m = _RETRY_AFTER_TEXT.search(message)
-            retry_after_s = float(m.group(1)) if m else DEFAULT_RETRY_AFTER_S
-        return Outcome(FinishReason.REJECTED, message, retry_after_s)
-    if isinstance(status, int) and 400 <= status < 500:
-        return Outcome(FinishReason.REJECTED, message)
-    return Outcome(FinishReason.ABORTED, message)
-
-
-def error_message(body: str, status: int | None = None) -> str:
-    """The message in an error body: SGLang's / OpenAI's ``{"error": ...}``, FastAPI's
-    ``{"detail": ...}``, or the text itself."""
-    text = body.strip()
-    try:
-        obj = json.loads(text) if text else None
-    except ValueError:
-        obj = None
-    msg: Any = None
-    if isinstance(obj, dict):
-        err = obj.get("error", obj.get("detail", obj.get("message")))
-        msg = err.get("message", err) if isinstance(err, dict) else err
-    if msg is None or msg == "":
-        msg = text[:500] or (f"HTTP {status}" if status is not None else "error")
-    return msg if isinstance(msg, str) else json.dumps(msg)[:500]
-
-
-def _retry_after(header: str | None) -> float | None:
-    try:
-        value = float(header) if header is not None else None
-    except ValueError:
-        return None
-    return value if value is not None and math.isfinite(value) and value >= 0 else None
-
-
-class StreamState:
-    """What the chunks of one ``/generate`` stream said so far.
-
-    SGLang sends cumulative ``output_ids`` (and output logprobs) in every chunk unless the
-    server runs with ``--incremental-streaming-output``; ``feed`` returns the new ids either way.
-    """
-
-    def __init__(self, *, incremental: bool = False, want_logprobs: bool = False) -> None:
-        self.incremental = incremental
-        self.want_logprobs = want_logprobs
-        self.output_ids: list[int] = []
-        self.cached_tokens = 0
-        self.finish: dict[str, Any] | None = None
-        self.error: tuple[Any, str] | None = None  # (status code, message) of an error event
-        self.logprobs: dict[str, list[Any]] = {}
-
-    def feed(self, obj: Any) -> list[int]:
-        if not isinstance(obj, dict):
-            self.error = (None, f"unexpected stream event: {str(obj)[:200]}")
-            return []
-        if "error" in obj:
-            err = obj["error"]
-            code = err.get("code") if isinstance(err, dict) else None
-            self.error = (code, error_message(json.dumps(obj)))
-            return []
-        ids = obj.get("output_ids") or []
-        new = list(ids) if self.incremental else list(ids[len(self.output_ids) :])
-        self.output_ids.extend(new)
-        meta = obj.get("meta_info") or {}
-        cached = meta.get("cached_tokens")
-        if isinstance(cached, int):
-            self.cached_tokens = cached
-        if meta.get("finish_reason") is not None:
-            self.finish = meta["finish_reason"]
-        if self.want_logprobs:
-            self._take_logprobs(meta)
-        return new
-
-    def _take_logprobs(self, meta: dict[str, Any]) -> None:
-        for key in ("input_token_logprobs", "output_token_logprobs", "output_top_logprobs"):
-            value = meta.get(key)
-            if value is None:
-                continue
-            if self.incremental and key != "input_token_logprobs":
-                self.logprobs.setdefault(key, []).extend(value)  # sliced to the new tokens
-            else:
-                self.logprobs[key] = list(value)  # cumulative: the latest is complete
-
-    def outcome(self, requested_abort: str | None) -> Outcome:
-        """How the request ended, once the stream has (``requested_abort``: the router asked
-        us to abort it, and why)."""
-        if self.error is not None:
-            code, msg = self.error
-            if requested_abort is not None:
-                return Outcome(FinishReason.ABORTED, requested_abort)
-            return status_outcome(code, msg)
-        finish = self.finish
-        if finish is None:
-            return Outcome(FinishReason.ABORTED, requested_abort or "the stream ended early")
-        kind = finish.get("type") if isinstance(finish, dict) else None
-        if kind == "length":
-            return Outcome(FinishReason.LENGTH)
-        if kind == "stop":
-            return Outcome(FinishReason.STOP)
-        if requested_abort is not None:
-            return Outcome(FinishReason.ABORTED, requested_abort)
-        msg = finish.get("message") if isinstance(finish, dict) else None
-        status = finish.get("status_code") if isinstance(finish, dict) else None
-        return status_outcome(status, str(msg or "aborted by the SGLang server"))
-
-    def finished_logprobs(self) -> dict[str, Any]:
-        """``Finished``'s logprob fields from SGLang's ``[logprob, token_id, text]`` triples."""
-        if not self.want_logprobs:
-            return {}
-        lp = self.logprobs
-        n = len(self.output_ids)
-        out: dict[str, Any] = {
-            "input_logprobs": tuple(
-                None if e[0] is None else float(e[0]) for e in lp.get("input_token_logprobs", ())
-            ),
-            "output_logprobs": tuple(
-                float(e[0]) if e[0] is not None else -math.inf
-                for e in lp.get("output_token_logprobs", ())[:n]
-            ),
-        }
-        if "output_top_logprobs" in lp:
-            out["output_top_logprobs"] = tuple(
-                tuple((float(e[0]), int(e[1])) for e in row if e[0] is not None) if row else ()
-                for row in lp["output_top_logprobs"][:n]
-            )
-        return out
 
 
 # ---- the process -----------------------------------------------------------------------------
@@ -502,7 +265,7 @@ class Bridge:
         """SGLang's ``GET /v1/loads``; stops at the first answer that is not one (a server
         without the endpoint: the in-flight counts stand alone)."""
         while True:
-            got = await _get_json(self.http, self.url + "/v1/loads?include=core", 5.0)
+            got = await get_json(self.http, self.url + "/v1/loads?include=core", 5.0)
             loads = got.get("loads") if isinstance(got, dict) else None
             if not isinstance(loads, list) or not loads or not isinstance(loads[0], dict):
                 self.loads = None
@@ -547,14 +310,14 @@ class Bridge:
         async with self.http.post(self.url + "/generate", json=generate_body(req)) as resp:
             if resp.status != 200:
                 body = await resp.text(errors="replace")
-                retry = _retry_after(resp.headers.get("Retry-After"))
+                retry = retry_after_header(resp.headers.get("Retry-After"))
                 return status_outcome(resp.status, error_message(body, resp.status), retry)
             parser = SSEParser()
             async for data in resp.content.iter_any():
                 for payload in parser.feed(data):
                     if payload == b"[DONE]":
                         return job.stream.outcome(job.abort_reason)
-                    new = job.stream.feed(_decode_json(payload))
+                    new = job.stream.feed(decode_json(payload))
                     if new:
                         self.send(Tokens(self.cfg.wid, time.time(), ((req.rid, tuple(new)),)))
         return job.stream.outcome(job.abort_reason)
@@ -613,9 +376,6 @@ class Bridge:
         self.sctx.term()
 
 
-_decode_json = msgspec.json.Decoder().decode  # a ValueError on bad JSON; faster than json
-
-
 def _process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
@@ -655,15 +415,4 @@ def bridge_main(cfg: BridgeConfig) -> None:
         sys.exit(code)
 
 
-__all__ = [
-    "Bridge",
-    "BridgeConfig",
-    "Outcome",
-    "SSEParser",
-    "ServerInfo",
-    "StreamState",
-    "bridge_main",
-    "generate_body",
-    "probe_server",
-    "status_outcome",
-]
+__all__ = ["Bridge", "BridgeConfig", "bridge_main"]

@@ -10,6 +10,11 @@ tokenizer's ``token_range`` so that outputs decode to text.
 
 Log-probabilities are synthetic too, a pure function of (previous token, token): the
 same prompt always scores the same, so ``sgl.select`` is deterministic.
+
+A live server also gives the engine a ``TextModel`` (sentence ends, commas, newlines from
+its tokenizer, so stop strings fire) and its EOS id: a request whose ``output_len`` is
+below its ``max_new_tokens`` — the simulated model stops on its own (``sim.text``) — ends
+with that id, as a model's output ends with EOS.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import zlib
 from sgl_fair.request import Request
 from sgl_fair.worker.engine import Batch, Logprobs, StepResult
 from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.text import TextModel
 
 SYNTHETIC_TOKEN_BASE = 1 << 30
 _SPAN = 1 << 30
@@ -42,9 +48,16 @@ def synthetic_logprob(prev: int, token: int) -> float:
 
 class SimEngine:
     def __init__(
-        self, cost_model: CostModel, *, token_range: tuple[int, int] | None = None
+        self,
+        cost_model: CostModel,
+        *,
+        token_range: tuple[int, int] | None = None,
+        text: TextModel | None = None,
+        eos_token_id: int | None = None,
     ) -> None:
         self.cost_model = cost_model
+        self.text = text
+        self.eos_token_id = eos_token_id
         self.token_range = token_range or (SYNTHETIC_TOKEN_BASE, 1 << 31)
         lo, hi = self.token_range
         if not 0 <= lo < hi:
@@ -55,9 +68,25 @@ class SimEngine:
             prefill_chunks=[(c.num_tokens, c.start) for c in batch.prefill],
             decode_context_lens=[r.seq_len for r in batch.decode],
         )
-        rng = self.token_range
-        tokens = [synthetic_token(r.rid, r.num_output, rng) for r in batch.sampling_requests()]
+        if self.text is None and self.eos_token_id is None:
+            rng = self.token_range
+            tokens = [synthetic_token(r.rid, r.num_output, rng) for r in batch.sampling_requests()]
+        else:
+            tokens = [self.next_token(r) for r in batch.sampling_requests()]
         return StepResult(batch, duration, tokens)
+
+    def next_token(self, req: Request) -> int:
+        """The token ``req`` samples next: EOS at its natural end, else a mark or a word."""
+        position = req.num_output
+        eos = self.eos_token_id
+        natural_end = req.output_len < req.max_new_tokens
+        if eos is not None and natural_end and position == req.output_len - 1:
+            return eos
+        if self.text is not None:
+            mark = self.text.mark_id(req.rid, position)
+            if mark is not None:
+                return mark
+        return synthetic_token(req.rid, position, self.token_range)
 
     def logprobs(self, req: Request) -> Logprobs:
         ids = req.input_ids

@@ -17,10 +17,11 @@ from sgl_fair.records import RequestRecord
 from sgl_fair.request import Request
 from sgl_fair.worker.engine import Engine
 from sgl_fair.worker.kv.prefix_cache import PrefixKVCache
-from sgl_fair.worker.kv.token import TokenAllocator
+from sgl_fair.worker.kv.registry import make_allocator
 from sgl_fair.worker.scheduler import RunLog, Scheduler, SchedulerConfig, SchedulerStats
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.engine import SimEngine
+from sgl_fair.worker.sim.text import TextModel
 
 
 @dataclass
@@ -51,11 +52,17 @@ def make_sim_worker(
     kv_tokens: int | None = None,
     config: SchedulerConfig | None = None,
     token_range: tuple[int, int] | None = None,
+    allocator: str = "token",
+    allocator_opts: dict | None = None,
+    text: TextModel | None = None,
+    eos_token_id: int | None = None,
 ) -> tuple[Scheduler, SimEngine]:
-    """A scheduler + simulated engine pair; the KV pool is derived from memory unless given."""
+    """A scheduler + simulated engine pair; the KV pool is derived from memory unless given.
+    ``allocator``: the KV allocator's registry name (``sgl_fair.worker.kv.allocator_names``)
+    with its ``allocator_opts``."""
     capacity = kv_tokens if kv_tokens is not None else cost_model.kv_capacity_tokens()
-    kv = PrefixKVCache(TokenAllocator(capacity))
-    engine = SimEngine(cost_model, token_range=token_range)
+    kv = PrefixKVCache(make_allocator(allocator, capacity, **(allocator_opts or {})))
+    engine = SimEngine(cost_model, token_range=token_range, text=text, eos_token_id=eos_token_id)
     return Scheduler(policy=policy, kv=kv, config=config), engine
 
 

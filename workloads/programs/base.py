@@ -37,7 +37,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -323,7 +323,9 @@ class GeneratedProgram(Program):
 
     Construction is shared here (the config default, three independent random streams — see
     :func:`program_rngs` — and the client's shared header seed); a kind implements ``plan``,
-    which returns its calls in topological order.
+    which returns its calls in topological order. A kind whose calls all extend one context
+    (a :class:`ProgramConfig`: the client's header, then the program's own text) opens its
+    plan with :meth:`draw_context`.
     """
 
     Config: ClassVar[type]
@@ -349,6 +351,15 @@ class GeneratedProgram(Program):
         self, cfg: Any, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
     ) -> list[CallPlan]:
         raise NotImplementedError
+
+    def draw_context(
+        self, client: str, shared_seed: int, *runs: tuple[np.random.Generator, int]
+    ) -> Tokens:
+        """The context every call starts with: the client's header (``config.header_len``
+        tokens, the same in all its programs of this kind), then one run of fresh tokens per
+        ``(stream, length)`` in ``runs`` (an extra prefix; the question, article or document)."""
+        header = shared_tokens(self.kind, client, self.config.header_len, shared_seed=shared_seed)
+        return header + tuple(itertools.chain.from_iterable(draw_tokens(r, n) for r, n in runs))
 
 
 def draw_tokens(rng: np.random.Generator, n: int) -> Tokens:
@@ -413,6 +424,26 @@ def check_length(owner: object, name: str, *, allow_zero: bool = False) -> None:
             f"{type(owner).__name__}: field {name!r} must be a length distribution or an "
             f"integer >= {0 if allow_zero else 1} (got {value!r})"
         ) from None
+
+
+def length(default: LengthDist | int, *, allow_zero: bool = False) -> Any:
+    """A :class:`ProgramConfig` field holding a length (see :func:`check_length`)."""
+    return field(default=default, metadata={"length": {"allow_zero": allow_zero}})
+
+
+class ProgramConfig:
+    """Base of the frozen dataclass configs of the kinds that open with the client's header.
+
+    Such a config has an integer ``header_len`` field (>= 0); its :func:`length` fields are
+    checked in field order, after the kind's own checks (its ``__post_init__`` calls this
+    one).
+    """
+
+    def __post_init__(self) -> None:
+        check_int(self, "header_len", minimum=0)
+        for f in fields(self):
+            if "length" in f.metadata:
+                check_length(self, f.name, **f.metadata["length"])
 
 
 def sample_len(dist: LengthDist | int, rng: np.random.Generator) -> int:

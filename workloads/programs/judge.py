@@ -42,40 +42,32 @@ from .base import (
     GeneratedProgram,
     Out,
     Part,
+    ProgramConfig,
     check_int,
-    check_length,
     draw_diverging,
     draw_tokens,
+    length,
     register_program,
     sample_len,
     sample_lens,
-    shared_tokens,
 )
 
 
 @dataclass(frozen=True)
-class JudgeConfig:
+class JudgeConfig(ProgramConfig):
     dimensions: int = 2
     extra_prefix: int = 0
     header_len: int = 128
-    article_len: LengthDist | int = Uniform(600, 1000)
-    dimension_instruction_len: LengthDist | int = Uniform(20, 40)
-    judgement_len: LengthDist | int = Uniform(100, 200)
-    merge_instruction_len: LengthDist | int = Uniform(30, 60)
-    verdict_len: LengthDist | int = Uniform(100, 200)
+    article_len: LengthDist | int = length(Uniform(600, 1000))
+    dimension_instruction_len: LengthDist | int = length(Uniform(20, 40))
+    judgement_len: LengthDist | int = length(Uniform(100, 200))
+    merge_instruction_len: LengthDist | int = length(Uniform(30, 60))
+    verdict_len: LengthDist | int = length(Uniform(100, 200))
 
     def __post_init__(self) -> None:
         check_int(self, "dimensions", minimum=1, maximum=1024)
         check_int(self, "extra_prefix", minimum=0)
-        check_int(self, "header_len", minimum=0)
-        for name in (
-            "article_len",
-            "dimension_instruction_len",
-            "judgement_len",
-            "merge_instruction_len",
-            "verdict_len",
-        ):
-            check_length(self, name)
+        super().__post_init__()
 
 
 @register_program("judge")
@@ -86,9 +78,12 @@ class Judge(GeneratedProgram):
         self, cfg: JudgeConfig, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
     ) -> list[CallPlan]:
         rng_len, rng_tok, rng_extra = rngs
-        header = shared_tokens(self.kind, client, cfg.header_len, shared_seed=shared_seed)
-        extra = draw_tokens(rng_extra, cfg.extra_prefix)
-        context = header + extra + draw_tokens(rng_tok, sample_len(cfg.article_len, rng_len))
+        context = self.draw_context(
+            client,
+            shared_seed,
+            (rng_extra, cfg.extra_prefix),
+            (rng_tok, sample_len(cfg.article_len, rng_len)),
+        )
         self.context_len = len(context)  # header + extra + article: what every call shares
 
         n = cfg.dimensions

@@ -36,34 +36,30 @@ from ..lengths import LengthDist, Uniform
 from .base import (
     CallPlan,
     GeneratedProgram,
+    ProgramConfig,
     check_int,
-    check_length,
     check_real,
     draw_diverging,
-    draw_tokens,
+    length,
     register_program,
     sample_len,
     sample_lens,
-    shared_tokens,
 )
 
 
 @dataclass(frozen=True)
-class LongQAConfig:
+class LongQAConfig(ProgramConfig):
     questions: int = 6
     doc_scale: float = 1.0
     header_len: int = 64
-    document_len: LengthDist | int = Uniform(3000, 8000)
-    question_len: LengthDist | int = Uniform(20, 60)
-    answer_len: LengthDist | int = Uniform(16, 64)
+    document_len: LengthDist | int = length(Uniform(3000, 8000))
+    question_len: LengthDist | int = length(Uniform(20, 60))
+    answer_len: LengthDist | int = length(Uniform(16, 64))
 
     def __post_init__(self) -> None:
         check_int(self, "questions", minimum=1, maximum=1024)
         check_real(self, "doc_scale", positive=True)
-        check_int(self, "header_len", minimum=0)
-        check_length(self, "document_len")
-        check_length(self, "question_len")
-        check_length(self, "answer_len")
+        super().__post_init__()
 
 
 @register_program("longqa")
@@ -74,9 +70,8 @@ class LongQA(GeneratedProgram):
         self, cfg: LongQAConfig, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
     ) -> list[CallPlan]:
         rng_len, rng_tok, rng_doc = rngs
-        header = shared_tokens(self.kind, client, cfg.header_len, shared_seed=shared_seed)
         self.document_len = max(1, round(sample_len(cfg.document_len, rng_len) * cfg.doc_scale))
-        context = header + draw_tokens(rng_doc, self.document_len)
+        context = self.draw_context(client, shared_seed, (rng_doc, self.document_len))
         self.context_len = len(context)
 
         n = cfg.questions

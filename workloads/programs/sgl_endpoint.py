@@ -56,7 +56,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.chat_template import get_chat_template, get_chat_template_by_model_path
 from sglang.lang.global_config import global_config
 
-from ..harness import CallFailed, CallRecord, apply_chunk
+from ..loadclient import CallFailed, CallRecord, apply_chunk
 
 _decode = msgspec.json.decode
 # The optional request fields RuntimeEndpoint.generate copies from the sampling parameters.

@@ -42,38 +42,33 @@ from .base import (
     CallPlan,
     GeneratedProgram,
     Out,
+    ProgramConfig,
     PromptOf,
     check_int,
-    check_length,
     draw_diverging,
-    draw_tokens,
+    length,
     register_program,
     sample_len,
     sample_lens,
-    shared_tokens,
 )
 
 MAX_CALLS = 20_000  # a guard against typos like branches=40
 
 
 @dataclass(frozen=True)
-class ToTConfig:
+class ToTConfig(ProgramConfig):
     branches: int = 2
     depth: int = 4
     header_len: int = 256
-    question_len: LengthDist | int = Uniform(40, 160)
-    extra_question_len: LengthDist | int = 0
-    instruction_len: LengthDist | int = Uniform(8, 24)
-    thought_len: LengthDist | int = Uniform(64, 160)
+    question_len: LengthDist | int = length(Uniform(40, 160))
+    extra_question_len: LengthDist | int = length(0, allow_zero=True)
+    instruction_len: LengthDist | int = length(Uniform(8, 24))
+    thought_len: LengthDist | int = length(Uniform(64, 160))
 
     def __post_init__(self) -> None:
         check_int(self, "branches", minimum=1, maximum=64)
         check_int(self, "depth", minimum=1, maximum=16)
-        check_int(self, "header_len", minimum=0)
-        check_length(self, "question_len")
-        check_length(self, "extra_question_len", allow_zero=True)
-        check_length(self, "instruction_len")
-        check_length(self, "thought_len")
+        super().__post_init__()
         if self.num_calls > MAX_CALLS:
             raise ValueError(
                 f"ToTConfig: field 'branches' {self.branches} with depth {self.depth} makes "
@@ -93,9 +88,12 @@ class ToT(GeneratedProgram):
         self, cfg: ToTConfig, client: str, rngs: Sequence[np.random.Generator], shared_seed: int
     ) -> list[CallPlan]:
         rng_len, rng_tok, rng_extra = rngs
-        header = shared_tokens(self.kind, client, cfg.header_len, shared_seed=shared_seed)
-        extra = draw_tokens(rng_extra, sample_len(cfg.extra_question_len, rng_extra))
-        question = header + extra + draw_tokens(rng_tok, sample_len(cfg.question_len, rng_len))
+        question = self.draw_context(
+            client,
+            shared_seed,
+            (rng_extra, sample_len(cfg.extra_question_len, rng_extra)),
+            (rng_tok, sample_len(cfg.question_len, rng_len)),
+        )
         self.question_len = len(question)  # the shared root of the tree, header included
 
         calls: list[CallPlan] = []

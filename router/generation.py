@@ -1,0 +1,329 @@
+"""One prompt's life through the router (:class:`Generation`), and a request's generations
+run from start to end.
+
+A :class:`Generation` submits its prompt to the router service, applies the stop strings, stop
+ids and token limit to the tokens that come back, detokenizes them incrementally and builds
+the :class:`~sgl_fair.router.protocol.Completion` the response is made of. :func:`prepare`
+turns a parsed request's items into started generations (identify, tokenize, admit, submit);
+:func:`until_done` waits for them all and raises the first failure. Nothing is lost: a client
+that disconnects has its generations aborted on the worker (freeing their KV), and a tenant's
+in-flight count is given back however a request ends (:func:`done_all`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+
+from sgl_fair.messages import FinishReason
+from sgl_fair.request import Request
+from sgl_fair.router import protocol as P
+from sgl_fair.router.service import Call, NoWorkerError
+from sgl_fair.router.state import Identity, ServerState
+from sgl_fair.router.tokenizer import IncrementalDecoder
+
+# SamplingParams field -> SGLang sampling_params key, for what the engine itself must apply.
+# max_new_tokens travels as the request's own field; stop strings, detokenization options and
+# stream_interval are the front's business (it detokenizes and streams).
+_ENGINE_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_new_tokens": "min_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "seed": "sampling_seed",
+}
+_SAMPLING_DEFAULTS = P.SamplingParams()
+
+
+def engine_sampling(sp: P.SamplingParams) -> dict[str, Any] | None:
+    """The sampling parameters a real engine applies, in SGLang's names; only those that
+    differ from the defaults (None when all are defaults, so a plain request stays small)."""
+    out: dict[str, Any] = {}
+    for name, key in _ENGINE_SAMPLING.items():
+        value = getattr(sp, name)
+        if value != getattr(_SAMPLING_DEFAULTS, name):
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out or None
+
+
+class Generation:
+    """One prompt through the router: stop conditions, detokenization, the final record."""
+
+    def __init__(
+        self, state: ServerState, item: Any, ids: list[int], max_new: int, who: Identity
+    ) -> None:
+        self.state = state
+        self.item = item
+        self.ids = ids
+        self.who = who
+        sp = item.sampling
+        self.max_new = max_new  # clipped to the context
+        self.stop = [s for s in (sp.stop or []) if s]
+        self.stop_ids = set(sp.stop_token_ids or [])
+        self.no_stop_trim = bool(getattr(sp, "no_stop_trim", False))
+        self.decoder = IncrementalDecoder(state.tokenizer)
+        self.out_ids: list[int] = []
+        self.text = ""
+        self.finish: P.FinishInfo | None = None
+        self.call: Call | None = None
+        self.t0 = time.time()
+
+    def start(self) -> None:
+        item = self.item
+        rid = item.rid or uuid.uuid4().hex
+        req = Request(
+            rid=rid,
+            client=self.who.client,
+            input_ids=tuple(self.ids),
+            output_len=max(self.max_new, 1),  # a prefill always samples one token
+            arrival_s=self.t0,
+            return_logprob=bool(item.return_logprob),
+            logprob_start_len=self._logprob_start(),
+            top_logprobs_num=item.top_logprobs_num or 0,
+            sampling=engine_sampling(item.sampling),
+        )
+        self.call = self.state.service.submit(req, self.who.client)
+
+    def _logprob_start(self) -> int:
+        if not self.item.return_logprob:
+            return -1
+        start = self.item.logprob_start_len
+        if start is None or start < 0:
+            return -1
+        return min(start, len(self.ids) - 1)
+
+    def _take(self, new_ids: list[int]) -> str:
+        """Accept new output tokens; returns the new text. Sets ``finish`` on a stop."""
+        delta_ids = []
+        for tok in new_ids:
+            if len(self.out_ids) >= self.max_new:
+                self.finish = P.FinishInfo("length", None, None)
+                break
+            self.out_ids.append(tok)
+            if tok in self.stop_ids:
+                self.finish = P.FinishInfo("stop", tok, None)
+                break
+            delta_ids.append(tok)
+        before = len(self.text)
+        self.text += self.decoder.feed(delta_ids)
+        if self.stop and self.finish is None:
+            longest = max(map(len, self.stop))
+            window_start = max(0, before - longest + 1)
+            hit = None
+            for s in self.stop:
+                i = self.text.find(s, window_start)
+                if i >= 0 and (hit is None or i < hit[0]):
+                    hit = (i, s)
+            if hit is not None:
+                i, s = hit
+                self.text = self.text[: i + len(s)] if self.no_stop_trim else self.text[:i]
+                self.finish = P.FinishInfo("stop", s, None)
+        if len(self.out_ids) >= self.max_new and self.finish is None:
+            self.finish = P.FinishInfo("length", None, None)
+        return self.text[before:] if len(self.text) >= before else ""
+
+    async def updates(self) -> AsyncIterator[str]:
+        """Yield text deltas as tokens arrive; ends with ``self.finish`` set."""
+        call = self.call
+        assert call is not None
+        seen = 0
+        while True:
+            await call.updated.wait()
+            call.updated.clear()
+            new = call.tokens[seen:]
+            seen = len(call.tokens)
+            had_finish = self.finish is not None
+            delta = self._take(new) if new and not had_finish else ""
+            if delta:
+                yield delta
+            if self.finish is not None and self.finish.kind == "stop":
+                if not call.done.is_set():
+                    self.state.service.abort(call, "stop")  # stop matched: free the worker now
+                return
+            if call.done.is_set():
+                self._settle()
+                return
+            # finish == "length" before the worker's own end happens only for
+            # max_new_tokens = 0 (the worker samples one token anyway): wait for its
+            # Finished, which carries the logprobs and the cached-prefix length.
+
+    def _settle(self) -> None:
+        call = self.call
+        assert call is not None
+        if self.finish is not None:
+            return
+        fin = call.finished
+        if fin is None:
+            self.finish = P.FinishInfo("abort", None, call.error or "request failed")
+        elif fin.reason is FinishReason.REJECTED:
+            self.finish = P.FinishInfo("abort", None, fin.error or "rejected")
+        elif fin.reason is FinishReason.ABORTED:
+            self.finish = P.FinishInfo("abort", None, fin.error or "aborted")
+        elif fin.reason is FinishReason.STOP:  # the engine's own stop: EOS or a stop token
+            self.finish = P.FinishInfo("stop", self.out_ids[-1] if self.out_ids else None, None)
+        else:
+            self.finish = P.FinishInfo("length", None, None)
+
+    def abort(self, reason: str) -> None:
+        if self.call is not None and not self.call.done.is_set():
+            self.state.service.abort(self.call, reason)
+
+    def completion_partial(self) -> P.Completion:
+        """The request so far (a stream chunk): no finish, no logprobs yet."""
+        call = self.call
+        assert call is not None
+        return P.Completion(
+            rid=call.rid,
+            prompt_ids=self.ids,
+            output_ids=list(self.out_ids),
+            text=self.text,
+            e2e_s=time.time() - self.t0,
+        )
+
+    def completion(self) -> P.Completion:
+        call = self.call
+        assert call is not None and self.finish is not None
+        fin = call.finished
+        n = len(self.out_ids)
+        in_lp = out_lp = top = None
+        if self.item.return_logprob and fin is not None and fin.output_logprobs is not None:
+            start = self._logprob_start()
+            if fin.input_logprobs is not None and start >= 0:
+                in_lp = list(zip(fin.input_logprobs, self.ids[start:], strict=False))
+            out_lp = list(zip(fin.output_logprobs[:n], self.out_ids, strict=False))
+            if fin.output_top_logprobs:
+                top = [list(row) for row in fin.output_top_logprobs[:n]]
+        return P.Completion(
+            rid=call.rid,
+            prompt_ids=self.ids,
+            output_ids=list(self.out_ids),
+            text=self.text,
+            finish=self.finish,
+            cached_tokens=fin.prefix_len if fin is not None else 0,
+            e2e_s=time.time() - self.t0,
+            input_logprobs=in_lp,
+            output_logprobs=out_lp,
+            output_top_logprobs=top,
+        )
+
+    @property
+    def failed(self) -> P.ProtocolError | None:
+        """The HTTP error for a generation that produced nothing because it failed."""
+        call = self.call
+        if call is None or call.finished is not None or call.error is None:
+            fin = call.finished if call is not None else None
+            if fin is not None and fin.reason is FinishReason.REJECTED:
+                if fin.retry_after_s is not None:  # admission control: try again later
+                    return P.ProtocolError(
+                        429, f"request refused by the scheduler: {fin.error}", None,
+                        retry_after_s=fin.retry_after_s,
+                    )  # fmt: skip
+                return P.ProtocolError(400, f"request rejected by the scheduler: {fin.error}", None)
+            return None
+        status = call.error_status if call.error_status >= 500 else 503
+        return P.ProtocolError(status, call.error, None)
+
+
+# ------------------------------------------------------------------- a request's generations
+
+
+def start_all(state: ServerState, gens: list[Generation], who: Identity) -> None:
+    started: list[Generation] = []
+    try:
+        for g in gens:
+            if g.item.rid is not None and g.item.rid in state.service.calls:
+                raise P.ProtocolError(400, f"rid {g.item.rid!r} is already in flight", "rid")
+            g.start()
+            started.append(g)
+    except NoWorkerError as e:
+        for g in started:
+            g.abort("no worker")
+        raise P.ProtocolError(
+            503, f"no worker available: {e}", None, retry_after_s=e.retry_after_s
+        ) from None
+    except P.ProtocolError:
+        for g in started:
+            g.abort("batch refused")
+        raise
+    key = who.tenant.name if who.tenant is not None else None
+    if key is not None:
+        state.inflight[key] = state.inflight.get(key, 0) + len(gens)
+
+
+def done_all(state: ServerState, gens: list[Generation], who: Identity) -> None:
+    key = who.tenant.name if who.tenant is not None else None
+    if key is not None:
+        state.inflight[key] = max(0, state.inflight.get(key, 0) - len(gens))
+
+
+async def run_to_end(request: HTTPRequest, gens: list[Generation]) -> None:
+    """Wait for every generation; abort them all if the client goes away."""
+
+    async def one(g: Generation) -> None:
+        async for _ in g.updates():
+            pass
+
+    task = asyncio.gather(*(one(g) for g in gens))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                task.result()
+                return
+            if await request.is_disconnected():
+                for g in gens:
+                    g.abort("client disconnected")
+                await task
+                return
+    except asyncio.CancelledError:
+        for g in gens:
+            g.abort("client disconnected")
+        raise
+
+
+def prepare(
+    state: ServerState,
+    request: HTTPRequest,
+    items: list[Any],
+    param: str,
+    user: str | None,
+    *,
+    chat: bool = False,
+) -> tuple[Identity, list[Generation]]:
+    who = state.identify(request, user, items[0].routing_key)
+    gens = []
+    for it in items:
+        ids, max_new = state.tokenize(it, param, who, chat=chat)
+        gens.append(Generation(state, it, ids, max_new, who))
+    state.admit(who, len(gens))
+    start_all(state, gens, who)
+    return who, gens
+
+
+def check_failed(gens: list[Generation]) -> None:
+    for g in gens:
+        err = g.failed
+        if err is not None:
+            raise err
+
+
+async def until_done(
+    state: ServerState, request: HTTPRequest, gens: list[Generation], who: Identity
+) -> None:
+    """A non-streaming response: wait for every generation, raise the first failure."""
+    try:
+        await run_to_end(request, gens)
+    finally:
+        done_all(state, gens, who)
+    check_failed(gens)

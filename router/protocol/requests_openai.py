@@ -1,0 +1,401 @@
+"""OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``: the bodies parsed and
+validated into a :class:`CompletionRequest` / :class:`ChatRequest`.
+
+Both endpoints share ``model``, the top-level sampling keys (SGLang's extensions included),
+``stream`` and ``user``. Chat messages are normalized to ``{"role", "content"}``; the
+tokenizer's chat template renders them to the prompt (:func:`render_chat_prompt`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from sgl_fair.router.protocol.errors import ProtocolError
+from sgl_fair.router.protocol.requests_common import (
+    _COMMON_SAMPLING,
+    _CONSTRAINED,
+    DEFAULT_LIMITS,
+    GenItem,
+    Limits,
+    SamplingParams,
+    _bad,
+    _bool,
+    _empty,
+    _Fields,
+    _include_usage,
+    _int,
+    _int_v,
+    _is_int,
+    _load_object,
+    _num_v,
+    _obj,
+    _prompts,
+    _sampling_from,
+    _str,
+    _unsupported,
+    _v_max_new,
+)
+from sgl_fair.router.tokenizer import ChatTemplateError
+
+if TYPE_CHECKING:
+    from sgl_fair.router.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """``POST /v1/completions``. ``logprobs`` is OpenAI's integer (None = no logprobs)."""
+
+    model: str
+    items: list[GenItem]
+    is_batch: bool
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """``POST /v1/chat/completions``. ``messages`` are ``{"role", "content"}`` with the
+    content parts joined; ``item.text`` is None until :func:`render_chat_prompt`."""
+
+    model: str
+    messages: list[dict[str, str]]
+    item: GenItem
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    user: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continue_final_message: bool = False
+
+    def item_for(self, text: str) -> GenItem:
+        """The request's item with its prompt text (from :func:`render_chat_prompt`) set."""
+        return replace(self.item, text=text)
+
+
+# Top-level sampling keys of the OpenAI endpoints (SGLang's extensions included).
+_OPENAI_SAMPLING: _Fields = {
+    **_COMMON_SAMPLING,
+    "max_tokens": ("max_new_tokens", _v_max_new),
+    "min_tokens": ("min_new_tokens", _int_v(lo=0)),
+    "temperature": ("temperature", _num_v(0, 2)),
+    "seed": ("seed", _int_v()),
+}
+
+
+def _openai_common(
+    obj: dict[str, Any], allowed: frozenset[str], limits: Limits, **defaults: Any
+) -> tuple[str, SamplingParams, bool, str | None]:
+    """Unknown keys, ``model``, sampling, ``stream``, ``user``: shared by both endpoints."""
+    for key in obj:
+        if key not in allowed:
+            raise ProtocolError(400, f"unknown field {key!r}", key)
+    model = obj.get("model")
+    if model is None:
+        raise ProtocolError(400, "model is required", "model")
+    _str(model, "model")
+    for key, what in _OPENAI_UNSUPPORTED.items():
+        if not _empty(obj.get(key)):
+            raise _unsupported(key, what)
+    for key, check in _OPENAI_HARMLESS.items():
+        if obj.get(key) is not None:
+            check(obj[key], key)
+    sampling = _sampling_from(obj, _OPENAI_SAMPLING, "", limits, **defaults)
+    stream = obj.get("stream")
+    stream = False if stream is None else _bool(stream, "stream")
+    user = obj.get("user")
+    if user is not None:
+        _str(user, "user")
+    return model, sampling, stream, user
+
+
+_OPENAI_HARMLESS: dict[str, Any] = {
+    "user": _str,
+    "routing_key": _str,
+    "rid": lambda v, p: _str(v, p, nonempty=True),
+    "priority": _int,
+    "stream_options": _obj,
+}
+_OPENAI_UNSUPPORTED = {
+    "lora_path": "LoRA (lora_path)",
+    "return_hidden_states": "return_hidden_states",
+}
+_OPENAI_BASE_KEYS = frozenset(
+    {"model", "stream", *_OPENAI_SAMPLING, *_OPENAI_HARMLESS, *_OPENAI_UNSUPPORTED}
+)
+_COMPLETION_KEYS = _OPENAI_BASE_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+_CHAT_KEYS = _OPENAI_BASE_KEYS | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "store",
+    "metadata",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "separate_reasoning",
+    "stream_reasoning",
+}
+
+
+def parse_completion(body: bytes, limits: Limits = DEFAULT_LIMITS) -> CompletionRequest:
+    """Parse and validate OpenAI's ``POST /v1/completions`` body.
+
+    ``prompt``: a string, a list of strings (a batch), a list of token ids, or a list of
+    id lists (a batch). ``max_tokens`` defaults to 16 (OpenAI's default; null means the
+    default). ``logprobs`` (0..5) asks for each token's logprob and that many
+    alternatives; with ``echo`` the prompt's logprobs too (``logprob_start_len = 0``).
+    Streaming a batch is refused, as for ``/generate``. SGLang's extensions
+    (``ignore_eos``, ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
+    ``stop_token_ids``, ``routing_key``, ``rid``, ...) are accepted.
+    """
+    obj = _load_object(body)
+    model, sampling, stream, user = _openai_common(obj, _COMPLETION_KEYS, limits, max_new_tokens=16)
+    if "prompt" not in obj or obj["prompt"] is None:
+        raise ProtocolError(400, "prompt is required", "prompt")
+    prompts, are_ids, is_batch = _prompts(
+        obj["prompt"], "prompt", limits, allow_text=True, allow_ids=True
+    )
+    if stream and is_batch:
+        raise ProtocolError(
+            400,
+            "streaming is not supported for batch requests: send one prompt per request",
+            "stream",
+        )
+    if obj.get("suffix") not in (None, ""):
+        raise _unsupported("suffix")
+    best_of = obj.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != 1):
+        raise ProtocolError(400, "best_of must be 1: this server returns one choice", "best_of")
+    echo = obj.get("echo")
+    echo = False if echo is None else _bool(echo, "echo")
+    logprobs = obj.get("logprobs")
+    if logprobs is not None:
+        logprobs = _int(logprobs, "logprobs", 0, 5)
+    rid = obj.get("rid")
+    if rid is not None and is_batch:
+        raise ProtocolError(400, "rid cannot be given for a batch of prompts", "rid")
+    items = [
+        GenItem(
+            text=None if are_ids else p,  # type: ignore[arg-type]
+            input_ids=p if are_ids else None,  # type: ignore[arg-type]
+            sampling=sampling,
+            return_logprob=logprobs is not None,
+            logprob_start_len=0 if (echo and logprobs is not None) else -1,
+            top_logprobs_num=logprobs or 0,
+            return_text_in_logprobs=True,
+            rid=rid,
+            routing_key=obj.get("routing_key"),
+        )
+        for p in prompts
+    ]
+    return CompletionRequest(
+        model=model,
+        items=items,
+        is_batch=is_batch,
+        stream=stream,
+        include_usage=_include_usage(obj),
+        echo=echo,
+        logprobs=logprobs,
+        user=user,
+    )
+
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+# Message keys accepted when null/empty: what a client round-tripping a response's message
+# (``message.model_dump()``) sends back.
+_MESSAGE_NULLABLE = frozenset({"refusal", "annotations", "audio", "reasoning_content"})
+_MESSAGE_KEYS = (
+    frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "function_call"})
+    | _MESSAGE_NULLABLE
+)
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    path = f"messages[{i}]"
+    m = _obj(m, path)
+    for key in m:
+        if key not in _MESSAGE_KEYS:
+            raise ProtocolError(400, f"unknown field {path}.{key}", f"{path}.{key}")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise _bad(f"{path}.role", "one of " + ", ".join(_ROLES), role)
+    for key in ("tool_calls", "function_call"):
+        if not _empty(m.get(key)):
+            raise ProtocolError(
+                400, f"{path}.{key}: tool calls are not supported by this server", f"{path}.{key}"
+            )
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            _str(m[key], f"{path}.{key}")
+    if m.get("reasoning_content") is not None:
+        _str(m["reasoning_content"], f"{path}.reasoning_content")
+    for key in ("annotations", "audio"):
+        if not _empty(m.get(key)):
+            raise _unsupported(f"{path}.{key}")
+    content = m.get("content")
+    if type(content) is str:
+        return {"role": role, "content": content}
+    if type(content) is not list:
+        raise _bad(f"{path}.content", "a string or a list of text parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        ppath = f"{path}.content[{j}]"
+        part = _obj(part, ppath)
+        kind = part.get("type")
+        if kind != "text":
+            if type(kind) is not str:
+                raise _bad(f"{ppath}.type", '"text"', kind)
+            raise ProtocolError(
+                400,
+                f"{ppath}.type {kind!r} is not supported by this server (text only)",
+                f"{ppath}.type",
+            )
+        texts.append(_str(part.get("text"), f"{ppath}.text"))
+    return {"role": role, "content": "\n".join(texts)}
+
+
+def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
+    """Parse and validate OpenAI's ``POST /v1/chat/completions`` body.
+
+    ``messages``: a non-empty list of ``{"role", "content"}`` with role system, user,
+    assistant, developer or tool and content a string or a list of ``{"type": "text"}``
+    parts (joined with newlines). Without ``max_tokens``/``max_completion_tokens`` (the
+    latter wins when both are given) the limit is the server's cap, clipped to the
+    context by :func:`check_prompt_length`. Tools, function calls, JSON response formats,
+    images and audio are refused with a 400 naming the field.
+    """
+    obj = _load_object(body)
+    model, sampling, stream, user = _openai_common(
+        obj, _CHAT_KEYS, limits, max_new_tokens=limits.new_tokens_cap
+    )
+    if obj.get("max_completion_tokens") is not None:
+        sampling = replace(
+            sampling,
+            max_new_tokens=_v_max_new(
+                obj["max_completion_tokens"], "max_completion_tokens", limits
+            ),
+        )
+        if sampling.min_new_tokens > sampling.max_new_tokens:
+            raise ProtocolError(400, "min_tokens must be <= max_completion_tokens", "min_tokens")
+
+    messages = obj.get("messages")
+    if messages is None:
+        raise ProtocolError(400, "messages is required", "messages")
+    if type(messages) is not list or not messages:
+        raise _bad("messages", "a non-empty list of messages", messages)
+    normalized = [_message(m, i) for i, m in enumerate(messages)]
+
+    response_format = obj.get("response_format")
+    if response_format is not None:
+        kind = _obj(response_format, "response_format").get("type")
+        if kind in ("json_object", "json_schema"):
+            raise ProtocolError(400, f"response_format {kind}: {_CONSTRAINED}", "response_format")
+        if kind != "text":
+            raise _bad("response_format.type", '"text"', kind)
+    for key in ("tools", "functions"):
+        if not _empty(obj.get(key)):
+            raise ProtocolError(400, f"{key}: tool calling is not supported by this server", key)
+    for key in ("tool_choice", "function_call"):
+        if obj.get(key) not in (None, "none"):
+            raise ProtocolError(400, f"{key}: tool calling is not supported by this server", key)
+    for key in ("audio", "prediction"):
+        if not _empty(obj.get(key)):
+            raise _unsupported(key)
+    modalities = obj.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _bad("modalities", '["text"] (this server produces text only)', modalities)
+    for key in ("parallel_tool_calls", "store", "separate_reasoning", "stream_reasoning"):
+        if obj.get(key) is not None:
+            _bool(obj[key], key)
+    for key in ("service_tier", "reasoning_effort"):
+        if obj.get(key) is not None:
+            _str(obj[key], key)
+    if obj.get("metadata") is not None:
+        _obj(obj["metadata"], "metadata")
+    kwargs = obj.get("chat_template_kwargs")
+    template_kwargs = {} if kwargs is None else _obj(kwargs, "chat_template_kwargs")
+    cont = obj.get("continue_final_message")
+    cont = False if cont is None else _bool(cont, "continue_final_message")
+    if cont and normalized[-1]["role"] != "assistant":
+        raise ProtocolError(
+            400,
+            "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message",
+        )
+
+    logprobs = obj.get("logprobs")
+    logprobs = False if logprobs is None else _bool(logprobs, "logprobs")
+    top = obj.get("top_logprobs")
+    top = 0 if top is None else _int(top, "top_logprobs", 0, limits.max_top_logprobs)
+    if top and not logprobs:
+        raise ProtocolError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+
+    item = GenItem(
+        text=None,
+        input_ids=None,
+        sampling=sampling,
+        return_logprob=logprobs,
+        logprob_start_len=-1,
+        top_logprobs_num=top,
+        return_text_in_logprobs=True,
+        rid=obj.get("rid"),
+        routing_key=obj.get("routing_key"),
+    )
+    return ChatRequest(
+        model=model,
+        messages=normalized,
+        item=item,
+        stream=stream,
+        include_usage=_include_usage(obj),
+        logprobs=logprobs,
+        top_logprobs=top,
+        user=user,
+        template_kwargs=template_kwargs,
+        continue_final_message=cont,
+    )
+
+
+def render_chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> str:
+    """The prompt text of a chat request: the tokenizer's chat template over the messages.
+
+    With ``continue_final_message`` the last (assistant) message is left open: rendered
+    without a generation prompt and cut right after its content, as transformers does.
+    A template that refuses the conversation (``raise_exception``) is a 400 on
+    ``messages``. Encode the result with ``add_special_tokens=False``.
+    """
+    try:
+        text = tokenizer.apply_chat_template(
+            req.messages,
+            add_generation_prompt=not req.continue_final_message,
+            template_kwargs=req.template_kwargs,
+        )
+    except ChatTemplateError as e:
+        raise ProtocolError(400, str(e), "messages") from None
+    if req.continue_final_message:
+        final = req.messages[-1]["content"]
+        cut = text.rfind(final) if final else -1
+        if cut < 0:
+            raise ProtocolError(
+                400,
+                "continue_final_message: the chat template does not render the final message "
+                "verbatim",
+                "continue_final_message",
+            )
+        text = text[: cut + len(final)]
+    return text

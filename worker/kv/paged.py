@@ -1,0 +1,334 @@
+"""Paged KV blocks: the block layout both block allocators share, and the vLLM-style allocator.
+
+The pool is cut into blocks of S = ``block_size`` slots. Each side of a block holds *pieces*:
+runs of one owner's tokens, counted from that side's edge inward; an owner's pieces, in logical
+order, are its KV. ``PagedAllocator`` uses the left side only::
+
+    block 3  [ a a a a a a . . ]   a's last block: 2 slots of room, usable by a only
+    block 7  [ C C C b b b b b ]   b handed its first 3 tokens to CACHE (a prefix commit)
+    block 9  [ . . . . . . . . ]   free: any owner may take it
+
+A growing owner fills the room after its last piece (while that piece is innermost on its
+side), then takes whole free blocks, lowest id first. ``transfer`` re-labels the leading pieces,
+splitting one at the boundary (block 7): no copy, no allocation, so ``PrefixKVCache.commit``
+cannot fail on it. The price: once b leaves, block 7's empty slots are wasted until the cache
+frees its three. The radix cache hands the allocator counts only, so which of CACHE's tokens
+``free(CACHE, n)`` releases is a modelling choice: like every owner's, its last ones.
+
+Accounting: ``num_free_tokens`` counts whole free blocks only (free blocks × S), since only a
+whole block can go to any owner; the empty slots of used blocks are internal fragmentation::
+
+    capacity == num_free_tokens + Σ held(owner) + num_fragmented_tokens
+
+Caveat: ``PrefixKVCache.can_allocate`` counts tokens (free + evictable); when evicting cached
+tokens empties no whole block it can promise what this allocator then refuses (OutOfMemory).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_fair.worker.kv.base import OutOfMemory
+from sgl_fair.worker.kv.registry import register_allocator
+
+DEFAULT_BLOCK_SIZE = 16  # the BROS paper's §7.1 setting, for BROS, vLLM and RR alike
+NO_ONE: frozenset = frozenset()
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {self.block_size})")
+
+
+@dataclass(eq=False)  # identity semantics: pieces are found in lists with `is` / `remove`
+class Piece:
+    """One owner's tokens on one side of a block: offsets [start, end) from that side's edge."""
+
+    owner: Hashable
+    block: int
+    side: int  # 0: from the left edge (read left→right), 1: from the right edge
+    start: int
+    length: int
+    ckpt: Any = None  # bidirectional only: the host copy of its overwritten inner slots
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class BlockLayout:
+    """Who holds which slots: pieces per block side, and per owner in logical order.
+
+    An owner's list may also hold segments that are not pieces (the bidirectional allocator's
+    host checkpoints); the layout leaves those to their allocator. ``skip``: owners to treat as
+    gone (what-if planning for victims).
+    """
+
+    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = capacity_tokens // block_size
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"KV capacity must hold >= 1 block of {block_size} tokens (got {capacity_tokens})"
+            )
+        self.free_blocks = set(range(self.num_blocks))
+        self.sides: list[tuple[list[Piece], list[Piece]]] = [
+            ([], []) for _ in range(self.num_blocks)
+        ]
+        self.segs: dict[Hashable, list] = {}
+        self.held: dict[Hashable, int] = {}
+        self.num_empty = self.num_blocks * block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def pieces(self, owner: Hashable) -> list[Piece]:
+        return [p for p in self.segs.get(owner, ()) if isinstance(p, Piece)]
+
+    def slot(self, piece: Piece, off: int) -> tuple[int, int]:
+        return piece.block, off if piece.side == 0 else self.block_size - 1 - off
+
+    def slot_mapping(self, owner: Hashable) -> list[tuple[int, int]]:
+        """(block, slot) of each of ``owner``'s tokens in its pieces, in logical order."""
+        return [self.slot(p, off) for p in self.pieces(owner) for off in range(p.start, p.end)]
+
+    def end(self, block: int, side: int, skip: frozenset = NO_ONE) -> int:
+        return max((p.end for p in self.sides[block][side] if p.owner not in skip), default=0)
+
+    def growable(self, owner: Hashable, side: int, skip: frozenset = NO_ONE) -> Piece | None:
+        """``owner``'s last segment if it is a piece on ``side``, innermost there (may grow)."""
+        segs = self.segs.get(owner)
+        last = segs[-1] if segs else None
+        if isinstance(last, Piece) and last.side == side:
+            return last if last.end == self.end(last.block, side, skip) else None
+        return None
+
+    def room(self, piece: Piece, skip: frozenset = NO_ONE) -> int:
+        """Empty slots between an innermost ``piece`` and the other side's run."""
+        return self.block_size - piece.end - self.end(piece.block, 1 - piece.side, skip)
+
+    def free_ids(self, k: int, skip: frozenset = NO_ONE, taken: set | frozenset = NO_ONE):
+        """The ``k`` lowest free block ids not in ``taken`` (fewer if there are not as many)."""
+        if k <= 0:
+            return []
+        pool = self.free_blocks
+        if skip:  # blocks only skipped owners use would be free too
+            pool = pool | {
+                p.block
+                for o in skip
+                for p in self.pieces(o)
+                if all(q.owner in skip for q in self.sides[p.block][0] + self.sides[p.block][1])
+            }
+        return heapq.nsmallest(k, pool - taken if taken else pool)
+
+    def fresh(self, side: int, need: int, skip: frozenset = NO_ONE, taken: set = NO_ONE):
+        """[(block, slots)] for a new run of ``need`` tokens on ``side``: blocks whose ``side`` is
+        empty, most empty slots first (so free blocks first, lowest id first); None: no room."""
+        size = self.block_size
+        grants = [(b, size) for b in self.free_ids(-(-need // size), skip, taken)]
+        if need > size * len(grants):  # every free block is taken: partly used ones too
+            used = taken | {b for b, _ in grants}
+            others = sorted((self.end(b, 1 - side, skip), b) for b in range(self.num_blocks))
+            grants += [
+                (b, size - other)
+                for other, b in others
+                if other < size and b not in used and not self.end(b, side, skip)
+            ]
+        out: list[tuple[int, int]] = []
+        for block, room in grants:
+            if need:
+                out.append((block, min(need, room)))
+                need -= out[-1][1]
+        return None if need else out
+
+    def new_piece(self, owner: Hashable, block: int, side: int, k: int) -> Piece:
+        """A piece of ``k`` slots after ``block``'s run on ``side``; the caller files it."""
+        piece = Piece(owner, block, side, self.end(block, side), 0)
+        self.free_blocks.discard(block)
+        self.sides[block][side].append(piece)
+        self.extend(piece, k)
+        return piece
+
+    def grow(self, owner: Hashable, side: int, block: int, k: int) -> Piece:
+        """``k`` more slots for ``owner`` in ``block``: its growable piece there, or a new one."""
+        piece = self.growable(owner, side)
+        if piece is not None and piece.block == block:
+            self.extend(piece, k)
+            return piece
+        piece = self.new_piece(owner, block, side, k)
+        self.segs.setdefault(owner, []).append(piece)
+        return piece
+
+    def extend(self, piece: Piece, k: int) -> None:
+        piece.length += k
+        bump(self.held, piece.owner, k)
+        self.num_empty -= k
+
+    def shrink(self, piece: Piece, k: int) -> None:
+        """Release ``piece``'s ``k`` innermost slots; an emptied piece leaves every list."""
+        self.extend(piece, -k)
+        if piece.length:
+            return
+        segs, sides = self.segs[piece.owner], self.sides[piece.block]
+        segs.remove(piece)
+        if not segs:
+            del self.segs[piece.owner]
+        sides[piece.side].remove(piece)
+        if not sides[0] and not sides[1]:
+            self.free_blocks.add(piece.block)
+
+    def hand_over(self, src: Hashable, dst: Hashable, n: int) -> None:
+        """Re-label ``src``'s first ``n`` tokens (all in leading pieces) as ``dst``'s, in place."""
+        segs, dst_segs = self.segs[src], self.segs.setdefault(dst, [])
+        rest = n
+        while rest:
+            piece = segs[0]
+            if piece.length <= rest:
+                segs.pop(0)
+                piece.owner, moved = dst, piece
+            else:  # split: the outer (older) part goes, the inner part stays
+                moved = Piece(dst, piece.block, piece.side, piece.start, rest)
+                piece.start += rest
+                piece.length -= rest
+                self.sides[piece.block][piece.side].append(moved)
+            rest -= moved.length
+            last = dst_segs[-1] if dst_segs else None
+            where = (moved.block, moved.side, moved.start)
+            if isinstance(last, Piece) and (last.block, last.side, last.end) == where:
+                last.length += moved.length  # contiguous: one piece, not two
+                self.sides[moved.block][moved.side].remove(moved)
+            else:
+                dst_segs.append(moved)
+        bump(self.held, src, -n)
+        bump(self.held, dst, n)
+        if not segs:
+            del self.segs[src]
+
+    def check(self) -> None:
+        """No slot owned twice; lists, counters and the free set agree; runs never overlap."""
+        size, claimed = self.block_size, set()
+        for owner, segs in self.segs.items():
+            assert segs and all(s.owner == owner and s.length > 0 for s in segs), owner
+            pieces = self.pieces(owner)
+            for p in pieces:
+                assert p.start >= 0 and p.end <= size, f"bad piece {p}"
+                assert any(q is p for q in self.sides[p.block][p.side]), f"{p} is unlisted"
+                slots = {self.slot(p, off) for off in range(p.start, p.end)}
+                assert not slots & claimed, f"slots {sorted(slots & claimed)} owned twice"
+                claimed |= slots
+            held = sum(p.length for p in pieces)
+            assert self.held.get(owner, 0) == held, f"{owner!r}: held {self.held.get(owner)}"
+        assert all(n > 0 for n in self.held.values()) and set(self.held) <= set(self.segs)
+        num_pieces = sum(len(self.pieces(o)) for o in self.segs)
+        assert num_pieces == sum(len(lt) + len(rt) for lt, rt in self.sides), "a stray piece"
+        for block, sides in enumerate(self.sides):
+            assert (block in self.free_blocks) == (not sides[0] and not sides[1]), block
+            for side in (0, 1):
+                assert all((p.block, p.side) == (block, side) for p in sides[side]), "misfiled"
+            assert self.end(block, 0) + self.end(block, 1) <= size, f"block {block} overlaps"
+        assert self.num_empty == self.capacity_tokens - len(claimed), "empty-slot count is off"
+
+
+@register_allocator("paged")
+class PagedAllocator:
+    Config = PagedConfig
+
+    def __init__(self, capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.config = PagedConfig(block_size)
+        self.layout = BlockLayout(capacity_tokens, block_size)
+        self.block_size = block_size
+        self.num_blocks = self.layout.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Whole blocks only: a remainder smaller than a block is never used."""
+        return self.layout.capacity_tokens
+
+    def num_free_tokens(self) -> int:
+        return len(self.layout.free_blocks) * self.block_size
+
+    def num_fragmented_tokens(self) -> int:
+        """Empty slots inside used blocks (only the owner whose room they are may fill them)."""
+        return self.layout.num_empty - self.num_free_tokens()
+
+    def room(self, owner: Hashable) -> int:
+        """Empty slots after ``owner``'s last piece that it alone may fill."""
+        piece = self.layout.growable(owner, 0)
+        return 0 if piece is None else self.layout.room(piece)
+
+    def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
+        return 0 <= num_tokens <= self.room(owner) + self.num_free_tokens()
+
+    def allocate(self, owner: Hashable, num_tokens: int) -> None:
+        if not self.can_allocate(owner, num_tokens):
+            raise OutOfMemory(
+                f"need {num_tokens} tokens, {owner!r} has {self.room(owner)} slots of room "
+                f"and {len(self.layout.free_blocks)} free blocks of {self.block_size}"
+            )
+        in_room = min(num_tokens, self.room(owner))
+        if in_room:
+            self.layout.grow(owner, 0, self.layout.growable(owner, 0).block, in_room)
+        for block, k in self.layout.fresh(0, num_tokens - in_room):  # whole free blocks
+            self.layout.grow(owner, 0, block, k)
+
+    def free(self, owner: Hashable, num_tokens: int | None = None) -> None:
+        """Free ``owner``'s last ``num_tokens`` tokens (all when None); emptied blocks go back."""
+        held = self.held(owner)
+        n = held if num_tokens is None else num_tokens
+        if n < 0 or n > held:
+            raise ValueError(f"{owner!r} holds {held} tokens, cannot free {n}")
+        while n:
+            piece = self.layout.segs[owner][-1]
+            k = min(n, piece.length)
+            self.layout.shrink(piece, k)
+            n -= k
+
+    def transfer(self, src: Hashable, dst: Hashable, num_tokens: int) -> None:
+        """Hand ``src``'s first ``num_tokens`` tokens to ``dst`` (after dst's own), in place."""
+        held = self.held(src)
+        if num_tokens < 0 or num_tokens > held:
+            raise ValueError(f"{src!r} holds {held} tokens, cannot transfer {num_tokens}")
+        if num_tokens and src != dst:
+            self.layout.hand_over(src, dst, num_tokens)
+
+    def held(self, owner: Hashable) -> int:
+        return self.layout.held.get(owner, 0)
+
+    def owners(self) -> list[Hashable]:
+        return list(self.layout.held)
+
+    def block_table(self, owner: Hashable) -> list[int]:
+        """``owner``'s blocks in logical order (what a paged-attention kernel reads)."""
+        table: list[int] = []
+        for piece in self.layout.pieces(owner):
+            if not table or table[-1] != piece.block:
+                table.append(piece.block)
+        return table
+
+    def check_invariants(self) -> None:
+        layout = self.layout
+        layout.check()
+        assert all(not sides[1] for sides in layout.sides), "a paged block uses its right side"
+        fragmented = sum(
+            self.block_size - sum(p.length for p in sides[0]) for sides in layout.sides if sides[0]
+        )
+        total = self.num_free_tokens() + sum(layout.held.values()) + fragmented
+        assert total == self.capacity_tokens, (
+            f"free + held + fragmented = {total} != capacity {self.capacity_tokens}"
+        )
+
+
+def bump(counter: dict[Hashable, int], owner: Hashable, delta: int) -> None:
+    """Add ``delta`` to ``owner``'s count; a count that reaches 0 leaves the dict."""
+    if n := counter.get(owner, 0) + delta:
+        counter[owner] = n
+    else:
+        counter.pop(owner, None)
