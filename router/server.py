@@ -39,6 +39,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 
 from sgl_fair.router import protocol as P
+from sgl_fair.router.admission import AdmissionMiddleware, LoopLagProbe
+from sgl_fair.router.guard import AdminGuard
 from sgl_fair.router.http_io import error_response
 from sgl_fair.router.routes_info import info_routes
 from sgl_fair.router.routes_openai import openai_routes
@@ -71,6 +73,8 @@ async def on_http_error(request: HTTPRequest, exc: Exception) -> Response:
 
 
 async def on_error(request: HTTPRequest, exc: Exception) -> Response:
+    if isinstance(exc, RecursionError):  # a body nested thousands deep: the client's fault
+        return error_response(P.ProtocolError(400, "the JSON body is nested too deeply", None))
     log.exception("internal error on %s", request.url.path)
     return error_response(P.ProtocolError(500, f"internal error: {type(exc).__name__}", None))
 
@@ -83,22 +87,27 @@ def build_app(
     *,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
-) -> Starlette:
-    """The app over ``state``: its route groups, every error as OpenAI's error JSON, and
-    ``on_startup`` / ``on_shutdown`` run around serving."""
+) -> AdminGuard:
+    """The app over ``state``: its route groups, every error as OpenAI's error JSON,
+    ``on_startup`` / ``on_shutdown`` run around serving, and admission in front of it all
+    (``admission.py``: the bounded queue and the bounded work per loop pass)."""
+
+    lag = LoopLagProbe()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        lag.start()
         if on_startup is not None:
             await on_startup()
         try:
             yield
         finally:
+            lag.stop()
             if on_shutdown is not None:
                 await on_shutdown()
 
     routes = [*sglang_routes(state), *openai_routes(state), *info_routes(state)]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         exception_handlers={
             P.ProtocolError: on_protocol_error,
@@ -106,4 +115,17 @@ def build_app(
             Exception: on_error,
         },
         lifespan=lifespan,
+    )
+    admission = AdmissionMiddleware(
+        app,
+        max_queued=state.cfg.max_queued_requests,
+        max_body_bytes=state.cfg.max_body_bytes,
+        on_reject=state.telemetry.queue_full,
+    )
+    state.telemetry.track_admission(admission, lag)
+    return AdminGuard(
+        admission,
+        admin_key=state.cfg.admin_key,
+        tenants=state.tenants,
+        allow_loopback=state.cfg.admin_loopback,
     )

@@ -9,6 +9,8 @@ One registry per server, so tests can run several in one process.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -91,6 +93,21 @@ class Telemetry:
             ["worker"],
             registry=r,
         )
+        self.queue_full_total = Counter(
+            p + "requests_refused_queue_full",
+            "Generation requests refused with 429 because --max-queued-requests were queued",
+            registry=r,
+        )
+        self.queued = Gauge(
+            p + "requests_queued",
+            "Generation requests being served (admitted, not answered)",
+            registry=r,
+        )
+        self.loop_lag_max_s = Gauge(
+            p + "router_loop_lag_max_seconds",
+            "The longest the router's event loop was late to a 50 ms timer since start",
+            registry=r,
+        )
         self.loop_lag_s = Gauge(
             p + "router_loop_lag_seconds",
             "How late the router's event loop ran its last watchdog tick",
@@ -142,6 +159,14 @@ class Telemetry:
 
     def worker_alive(self, worker: int, alive: bool) -> None:
         self.alive.labels(str(worker)).set(1 if alive else 0)
+
+    def queue_full(self) -> None:
+        self.queue_full_total.inc()
+
+    def track_admission(self, admission: Any, lag: Any) -> None:
+        """Export the admission middleware's queue and the event loop's worst pass."""
+        self.queued.set_function(lambda: admission.num_active)
+        self.loop_lag_max_s.set_function(lambda: lag.max_lag_s)
 
     def worker_restarted(self, worker: int) -> None:
         self.restarts.labels(str(worker)).inc()

@@ -50,6 +50,9 @@ class LaunchConfig:
     worker_restart_backoff_s: float = 0.5  # first delay before restarting a dead worker; 0: never
     sim_eos: EosLengths | None = field(default_factory=EosLengths)  # None: run to max_new_tokens
     sim_text: bool = True  # punctuation and newlines in simulated output
+    max_queued_requests: int | None = 4096  # generation requests served at once; more -> 429
+    admin_key: str | None = None  # guards /metrics, /server_info, /flush_cache (see guard.py)
+    admin_loopback: bool = True  # callers on 127.0.0.1/::1 need no admin key
     startup_timeout_s: float = 120.0
     max_tree_tokens: int | None = 4_000_000
     # --backend sglang
@@ -165,6 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated output has sentence ends, commas and newlines (so stop strings fire)",
     )  # fmt: skip
     p.add_argument(
+        "--max-queued-requests", type=int, default=4096, metavar="N",
+        help="generation requests the server takes at once (parsing, queued or running); "
+        "more get 429 + Retry-After at once, so memory stays bounded (0: no bound)",
+    )  # fmt: skip
+    p.add_argument(
+        "--admin-key", default=None, metavar="KEY",
+        help="Bearer key for /metrics, /server_info and /flush_cache (besides admin tenants' "
+        "keys); default: env SGLFAIR_ADMIN_KEY",
+    )  # fmt: skip
+    p.add_argument(
+        "--admin-loopback", default="on", choices=("on", "off"),
+        help="callers on loopback reach the admin endpoints without a key (turn off behind a "
+        "proxy on the same host)",
+    )  # fmt: skip
+    p.add_argument(
         "--worker-restart-backoff", type=float, default=0.5, metavar="S",
         help="restart a simulated worker whose process exited after S seconds, doubling per "
         "restart up to 30 s (0: never restart)",
@@ -210,6 +228,8 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         sim_eos = EosLengths.parse(a.sim_eos)
     except ValueError as e:
         bad(f"--sim-eos: {e}")
+    if a.max_queued_requests < 0:
+        bad(f"--max-queued-requests must be >= 0 (got {a.max_queued_requests})")
     if not 0 <= a.worker_restart_backoff <= 3600:
         bad(f"--worker-restart-backoff must be in 0..3600 s (got {a.worker_restart_backoff})")
     try:
@@ -281,6 +301,9 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         worker_restart_backoff_s=a.worker_restart_backoff,
         sim_eos=sim_eos,
         sim_text=a.sim_text == "on",
+        max_queued_requests=a.max_queued_requests or None,
+        admin_key=a.admin_key or os.environ.get("SGLFAIR_ADMIN_KEY") or None,
+        admin_loopback=a.admin_loopback == "on",
         startup_timeout_s=startup_timeout,
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),

@@ -1,4 +1,5 @@
-"""Free TCP ports on loopback, for the servers the launcher starts and for tests."""
+"""Sockets: free TCP ports on loopback (for the servers the launcher starts, and tests) and
+the file limit that bounds how many connections a process can hold."""
 
 from __future__ import annotations
 
@@ -26,3 +27,17 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def raise_fd_limit() -> None:
+    """Soft file limit up to the hard one: every connection holds a socket, and a burst (or a
+    load test of thousands of calls) holds thousands at once."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass

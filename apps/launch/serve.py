@@ -15,7 +15,7 @@ from typing import Any
 
 from sgl_fair.config import load_tenants
 from sgl_fair.launch.config import LaunchConfig, local_policy_opts, parse_config
-from sgl_fair.launch.ports import port_free
+from sgl_fair.launch.ports import port_free, raise_fd_limit
 from sgl_fair.launch.sglang import (
     bridge_configs,
     probe_servers,
@@ -132,6 +132,8 @@ def text_model(tokenizer: Any) -> TextModel:
 def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
     import uvicorn
+
+    raise_fd_limit()  # every connection holds a socket; a burst holds thousands
 
     try:
         import uvloop

@@ -15,21 +15,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sgl_fair.launch.ports import raise_fd_limit
+
 from .config import FRONTEND, PROG, LoadTestConfig, LoadTestError, load_api_keys, validate
 from .output import output_paths, write_outputs
-
-
-def _raise_fd_limit() -> None:
-    """Every in-flight call holds a socket; a ToT S1 run can hold thousands."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else 1 << 16
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ImportError, ValueError, OSError):
-        pass
 
 
 def run_loadtest(
@@ -51,7 +40,7 @@ def run_loadtest(
     keys = dict(config.api_keys or {})
     if config.api_key_file is not None:
         keys = load_api_keys(config.api_key_file)
-    _raise_fd_limit()
+    raise_fd_limit()
     harness_config = HarnessConfig(
         url=config.url,
         duration_s=float(config.duration_s),

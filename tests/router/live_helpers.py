@@ -91,6 +91,9 @@ def metric(text: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric's samples in ``text`` whose labels include ``labels``."""
     total = 0.0
     for line in text.splitlines():
+        if line.startswith(name + " ") and not labels:  # an unlabelled metric
+            total += float(line.rsplit(" ", 1)[1])
+            continue
         if not line.startswith(name + "{"):
             continue
         got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
