@@ -53,6 +53,8 @@ class LaunchConfig:
     max_queued_requests: int | None = 4096  # generation requests served at once; more -> 429
     admin_key: str | None = None  # guards /metrics, /server_info, /flush_cache (see guard.py)
     admin_loopback: bool = True  # callers on 127.0.0.1/::1 need no admin key
+    http_header_timeout_s: float = 10.0  # a connection's next request headers, or it closes
+    max_connections: int | None = None  # None: the file limit less a reserve
     startup_timeout_s: float = 120.0
     max_tree_tokens: int | None = 4_000_000
     # --backend sglang
@@ -173,6 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
         "more get 429 + Retry-After at once, so memory stays bounded (0: no bound)",
     )  # fmt: skip
     p.add_argument(
+        "--http-header-timeout", type=float, default=10.0, metavar="S",
+        help="close a connection that has not sent a request's headers S seconds after it "
+        "opened or after its last response (idle and slow-header clients)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-connections", type=int, default=None, metavar="N",
+        help="open client connections at most; past it the longest-idle one is closed "
+        "(default: the file limit less 512)",
+    )  # fmt: skip
+    p.add_argument(
         "--admin-key", default=None, metavar="KEY",
         help="Bearer key for /metrics, /server_info and /flush_cache (besides admin tenants' "
         "keys); default: env SGLFAIR_ADMIN_KEY",
@@ -228,6 +240,10 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         sim_eos = EosLengths.parse(a.sim_eos)
     except ValueError as e:
         bad(f"--sim-eos: {e}")
+    if not 0 < a.http_header_timeout <= 3600:
+        bad(f"--http-header-timeout must be in (0, 3600] s (got {a.http_header_timeout})")
+    if a.max_connections is not None and a.max_connections < 1:
+        bad(f"--max-connections must be >= 1 (got {a.max_connections})")
     if a.max_queued_requests < 0:
         bad(f"--max-queued-requests must be >= 0 (got {a.max_queued_requests})")
     if not 0 <= a.worker_restart_backoff <= 3600:
@@ -304,6 +320,8 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         max_queued_requests=a.max_queued_requests or None,
         admin_key=a.admin_key or os.environ.get("SGLFAIR_ADMIN_KEY") or None,
         admin_loopback=a.admin_loopback == "on",
+        http_header_timeout_s=a.http_header_timeout,
+        max_connections=a.max_connections,
         startup_timeout_s=startup_timeout,
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),

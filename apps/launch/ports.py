@@ -41,3 +41,17 @@ def raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     except (ImportError, ValueError, OSError):
         pass
+
+
+def connection_budget(reserve: int = 512) -> int:
+    """How many client connections the process can hold: its file limit less ``reserve``
+    descriptors for sockets to the workers, logs and libraries."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, ValueError, OSError):
+        return 1024
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 16
+    return max(64, soft - reserve)

@@ -15,7 +15,8 @@ from typing import Any
 
 from sgl_fair.config import load_tenants
 from sgl_fair.launch.config import LaunchConfig, local_policy_opts, parse_config
-from sgl_fair.launch.ports import port_free, raise_fd_limit
+from sgl_fair.launch.http_protocol import guarded_protocol
+from sgl_fair.launch.ports import connection_budget, port_free, raise_fd_limit
 from sgl_fair.launch.sglang import (
     bridge_configs,
     probe_servers,
@@ -249,7 +250,10 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
                 build_app(state, on_shutdown=on_shutdown),
                 host=cfg.host,
                 port=cfg.port,
-                http="httptools",
+                http=guarded_protocol(
+                    header_timeout_s=cfg.http_header_timeout_s,
+                    max_connections=cfg.max_connections or connection_budget(),
+                ),
                 lifespan="on",
                 log_level=cfg.log_level,
                 access_log=cfg.log_level == "debug",
