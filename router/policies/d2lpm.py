@@ -19,9 +19,19 @@ request costs more than a quantum, a single round may leave every deficit <= 0, 
 among holders), which is not fair (Thm A.5). A dead worker's deficits are forgotten; a
 worker that (re)joins starts at 0.
 
+**Load guard** *(beyond the paper)*. The deficit binds only as service is charged, and a
+hot prefix costs almost nothing to extend while its outputs are charged only when requests
+finish: one tenant's 3,000 requests on one cached prefix all went to the worker holding it,
+2,824 of them waiting there, while three workers sat idle. So locality is taken only from a
+holder whose queue is at most ``max_queue_ratio`` × the mean queue of the alive workers plus
+``queue_slack``; past it the request goes to the least-queued eligible worker (which then
+holds the prefix too, so locality spreads instead of piling up). ``max_queue_ratio = inf``
+is the paper's exact rule.
+
 Options (``make_router_policy("d2lpm", ...)``): ``quantum`` (10,000.0, service units; may be
 ``float('inf')``), ``quanta`` (per-worker overrides of ``quantum``, ``{}``),
-``extend_weight`` (``w_e``, 1.0), ``output_weight`` (``w_o``, 2.0).
+``extend_weight`` (``w_e``, 1.0), ``output_weight`` (``w_o``, 2.0), ``max_queue_ratio``
+(2.0; ``inf``: off), ``queue_slack`` (8 requests).
 """
 
 from __future__ import annotations
@@ -50,9 +60,19 @@ class D2LPM(BaseRouterPolicy):
         quanta: Mapping[int, float] = field(default_factory=dict)
         extend_weight: float = 1.0
         output_weight: float = 2.0
+        max_queue_ratio: float = 2.0
+        queue_slack: float = 8.0
 
         def __post_init__(self) -> None:
             check_positive("d2lpm", quantum=self.quantum)
+            if not self.max_queue_ratio >= 1:
+                raise ValueError(
+                    f"d2lpm: max_queue_ratio must be >= 1 (got {self.max_queue_ratio})"
+                )
+            if not (self.queue_slack >= 0 and math.isfinite(self.queue_slack)):
+                raise ValueError(
+                    f"d2lpm: queue_slack must be finite and >= 0 (got {self.queue_slack})"
+                )
             for worker, q in self.quanta.items():
                 check_positive("d2lpm", **{f"quanta[{worker}]": q})
             for key in ("extend_weight", "output_weight"):
@@ -90,10 +110,18 @@ class D2LPM(BaseRouterPolicy):
             eligible = self._eligible(workers, client)
         if match.length:
             holders = match.holders
-            local = [u for u in eligible if u in holders]
+            local = [u for u in eligible if u in holders and not self._overloaded(u, view)]
             if local:
                 return least_queued(local, view)
         return least_queued(eligible, view)
+
+    def _overloaded(self, worker: int, view: RouterView) -> bool:
+        ratio = self.config.max_queue_ratio
+        if ratio == math.inf:
+            return False
+        workers = view.workers
+        mean = sum(view.queue_len(u) for u in workers) / len(workers)
+        return view.queue_len(worker) > ratio * mean + self.config.queue_slack
 
     def _replenish(self, workers: Sequence[int], client: ClientId) -> None:
         # Every D[u][c] <= 0 and every Q_u finite here; the fewest rounds that make some

@@ -232,12 +232,15 @@ def simulate(
     q_local: float = 400.0,
     num_workers: int = 4,
     check=None,
+    max_queue_ratio: float = 2.0,
 ) -> list[float]:
-    """Run the cluster; returns served[A] - served[B] after every completion."""
-    router = Router(
-        make_router_policy("d2lpm", quantum=quantum, extend_weight=W_E, output_weight=W_O),
-        num_workers,
-    )
+    """Run the cluster; returns served[A] - served[B] after every completion.
+    ``max_queue_ratio = inf``: the paper's rule, no load guard (pure locality at Q = inf)."""
+    policy = make_router_policy(
+        "d2lpm", quantum=quantum, extend_weight=W_E, output_weight=W_O,
+        max_queue_ratio=max_queue_ratio,
+    )  # fmt: skip
+    router = Router(policy, num_workers)
     state = Cluster(router, {"A": 0.0, "B": 0.0}, {}, {"A": 0, "B": 0})
     hot = tuple(range(10**6, 10**6 + HOT_LEN))
     fresh = itertools.count(2 * 10**6)
@@ -318,7 +321,7 @@ def test_router_spreads_each_clients_service_evenly_over_workers():
         charged = [state.charged.get(("A", u), 0.0) for u in state.router.workers]
         spread["A"] = max(charged) - min(charged)
 
-    simulate(math.inf, local="fcfs", k=k, steps=3000, check=spread_of)
+    simulate(math.inf, local="fcfs", k=k, steps=3000, check=spread_of, max_queue_ratio=math.inf)
     assert spread["A"] > 10 * bound  # A never leaves its first worker
 
 
@@ -346,6 +349,29 @@ def test_two_backlogged_clients_service_stays_within_the_bound(quantum, q_local)
 def test_locality_first_violates_that_bound():
     """Thm A.5: with Q = inf, A stays on one worker and falls behind without bound."""
     n, q_local = 4, 400.0
-    diffs = simulate(math.inf, local="dlpm", k=8 * n, steps=6000, q_local=q_local)
+    diffs = simulate(
+        math.inf, local="dlpm", k=8 * n, steps=6000, q_local=q_local, max_queue_ratio=math.inf
+    )
     settled = diffs[len(diffs) // 4 :]
     assert max(settled) - min(settled) > 5 * 2 * n * (1000.0 + q_local + U)
+
+
+@pytest.mark.parametrize("max_queue_ratio", [2.0, 1.5])
+def test_one_hot_prefix_does_not_pile_onto_one_worker(max_queue_ratio):
+    """Issue 15: one tenant's 3,000 requests on one cached prefix, nothing finishing yet.
+    The paper's rule sends them all to the holder; the load guard keeps every queue within
+    twice the mean."""
+    prefix = tuple(range(500))
+
+    def run(ratio: float) -> list[int]:
+        router = Router(make_router_policy("d2lpm", max_queue_ratio=ratio), 4)
+        for i in range(3000):
+            req = Request(rid=f"r{i}", client="acme", input_ids=(*prefix, 10**6 + i),
+                          output_len=64, arrival_s=0.0)  # fmt: skip
+            router.dispatch(req, now=0.0)
+        return [router.queue_len(u) for u in range(4)]
+
+    queues = run(max_queue_ratio)
+    assert max(queues) <= 2 * sum(queues) / 4, queues
+    paper = run(math.inf)
+    assert max(paper) > 2 * sum(paper) / 4, paper  # the failure is real without the guard
