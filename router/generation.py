@@ -13,6 +13,7 @@ in-flight count is given back however a request ends (:func:`done_all`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,13 +49,33 @@ _SAMPLING_DEFAULTS = P.SamplingParams()
 
 def engine_sampling(sp: P.SamplingParams) -> dict[str, Any] | None:
     """The sampling parameters a real engine applies, in SGLang's names; only those that
-    differ from the defaults (None when all are defaults, so a plain request stays small)."""
+    differ from the defaults (None when all are defaults, so a plain request stays small),
+    plus the keys passed through untouched (``engine_extra``: constrained decoding, ...)."""
     out: dict[str, Any] = {}
     for name, key in _ENGINE_SAMPLING.items():
         value = getattr(sp, name)
         if value != getattr(_SAMPLING_DEFAULTS, name):
             out[key] = list(value) if isinstance(value, tuple) else value
+    if sp.engine_extra:
+        out.update(sp.engine_extra)
     return out or None
+
+
+def expand_samples(items: list[Any]) -> list[Any]:
+    """Parallel samples: each item with ``sampling.n`` > 1 becomes ``n`` items (in order,
+    the samples of one prompt together) with the same prompt, so they share its KV through
+    the radix cache and are charged to the same tenant. A given ``rid`` gets ``-i``
+    appended for sample ``i`` > 0 (SGLang's responses give each sample its own id)."""
+    out = []
+    for it in items:
+        n = it.sampling.n
+        if n <= 1:
+            out.append(it)
+            continue
+        for i in range(n):
+            rid = it.rid if it.rid is None or i == 0 else f"{it.rid}-{i}"
+            out.append(dataclasses.replace(it, rid=rid))
+    return out
 
 
 class Generation:
@@ -78,6 +99,14 @@ class Generation:
         self.finish: P.FinishInfo | None = None
         self.call: Call | None = None
         self.t0 = time.time()
+        # Parallel samples: a sample other than the first is submitted once its ``lead``
+        # (the first) has prefilled the prompt, so it finds the prompt in the worker's radix
+        # cache instead of prefilling it again in the same batch.
+        self.lead: Generation | None = None
+        self.submitted = asyncio.Event()
+        self.start_error: P.ProtocolError | None = None
+        self.aborted = False
+        self._starter: asyncio.Future | None = None
 
     def start(self) -> None:
         item = self.item
@@ -92,8 +121,26 @@ class Generation:
             logprob_start_len=self._logprob_start(),
             top_logprobs_num=item.top_logprobs_num or 0,
             sampling=engine_sampling(item.sampling),
+            extra=item.extra,
         )
         self.call = self.state.service.submit(req, self.who.client)
+        self.submitted.set()
+
+    async def start_after_lead(self) -> None:
+        """Submit once the lead sample has its first token (its prompt is cached then)."""
+        lead = self.lead
+        assert lead is not None and lead.call is not None
+        try:
+            while not (lead.call.tokens or lead.call.done.is_set() or self.aborted):
+                await asyncio.sleep(0.002)
+            if not self.aborted:
+                self.start()
+        except NoWorkerError as e:
+            self.start_error = P.ProtocolError(
+                503, f"no worker available: {e}", None, retry_after_s=e.retry_after_s
+            )
+        finally:
+            self.submitted.set()
 
     def _logprob_start(self) -> int:
         if not self.item.return_logprob:
@@ -135,8 +182,11 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[str]:
         """Yield text deltas as tokens arrive; ends with ``self.finish`` set."""
+        await self.submitted.wait()
         call = self.call
-        assert call is not None
+        if call is None:  # never submitted: aborted first, or no worker
+            self.finish = P.FinishInfo("abort", None, "aborted before it started")
+            return
         seen = 0
         while True:
             await call.updated.wait()
@@ -176,6 +226,7 @@ class Generation:
             self.finish = P.FinishInfo("length", None, None)
 
     def abort(self, reason: str) -> None:
+        self.aborted = True
         if self.call is not None and not self.call.done.is_set():
             self.state.service.abort(self.call, reason)
 
@@ -196,11 +247,15 @@ class Generation:
         assert call is not None and self.finish is not None
         fin = call.finished
         n = len(self.out_ids)
-        in_lp = out_lp = top = None
+        in_lp = out_lp = top = in_top = None
         if self.item.return_logprob and fin is not None and fin.output_logprobs is not None:
             start = self._logprob_start()
             if fin.input_logprobs is not None and start >= 0:
                 in_lp = list(zip(fin.input_logprobs, self.ids[start:], strict=False))
+                if self.item.top_logprobs_num:
+                    # one entry per prompt position, as SGLang returns; the engines report
+                    # the prompt token's own logprob there, no alternatives (None: undefined)
+                    in_top = [None if lp is None else [(lp, tid)] for lp, tid in in_lp]
             out_lp = list(zip(fin.output_logprobs[:n], self.out_ids, strict=False))
             if fin.output_top_logprobs:
                 top = [list(row) for row in fin.output_top_logprobs[:n]]
@@ -215,12 +270,17 @@ class Generation:
             input_logprobs=in_lp,
             output_logprobs=out_lp,
             output_top_logprobs=top,
+            input_top_logprobs=in_top,
         )
 
     @property
     def failed(self) -> P.ProtocolError | None:
         """The HTTP error for a generation that produced nothing because it failed."""
         call = self.call
+        if call is None and self.start_error is not None:
+            return self.start_error
+        if call is None and self.aborted:
+            return P.ProtocolError(499, "the request was aborted before it started", None)
         if call is None or call.finished is not None or call.error is None:
             fin = call.finished if call is not None else None
             if fin is not None and fin.reason is FinishReason.REJECTED:
@@ -244,6 +304,8 @@ def start_all(state: ServerState, gens: list[Generation], who: Identity) -> None
         for g in gens:
             if g.item.rid is not None and g.item.rid in state.service.calls:
                 raise P.ProtocolError(400, f"rid {g.item.rid!r} is already in flight", "rid")
+            if g.lead is not None:
+                continue  # a later sample: submitted once its lead has prefilled
             g.start()
             started.append(g)
     except NoWorkerError as e:
@@ -256,6 +318,9 @@ def start_all(state: ServerState, gens: list[Generation], who: Identity) -> None
         for g in started:
             g.abort("batch refused")
         raise
+    for g in gens:
+        if g.lead is not None:
+            g._starter = asyncio.ensure_future(g.start_after_lead())
     key = who.tenant.name if who.tenant is not None else None
     if key is not None:
         state.inflight[key] = state.inflight.get(key, 0) + len(gens)
@@ -301,11 +366,24 @@ def prepare(
     *,
     chat: bool = False,
 ) -> tuple[Identity, list[Generation]]:
+    """Identify, tokenize, admit and submit: one started :class:`Generation` per prompt and
+    sample (``n`` > 1 gives ``n`` per prompt, in order; the tenant is admitted for all)."""
     who = state.identify(request, user, items[0].routing_key)
+    total = sum(it.sampling.n for it in items)
+    if total > state.limits.max_batch:
+        raise P.ProtocolError(
+            400, f"{total} generations (prompts x n) exceed the limit of "
+            f"{state.limits.max_batch}", "n",
+        )  # fmt: skip
     gens = []
     for it in items:
         ids, max_new = state.tokenize(it, param, who, chat=chat)
-        gens.append(Generation(state, it, ids, max_new, who))
+        lead = None
+        for sample in expand_samples([it]):
+            g = Generation(state, sample, ids, max_new, who)
+            g.lead = lead
+            lead = lead or g
+            gens.append(g)
     state.admit(who, len(gens))
     start_all(state, gens, who)
     return who, gens
@@ -327,3 +405,38 @@ async def until_done(
     finally:
         done_all(state, gens, who)
     check_failed(gens)
+
+
+async def merged_updates(gens: list[Generation]) -> AsyncIterator[tuple[int, str | None]]:
+    """The text deltas of several generations as they arrive, ``(index, delta)``, and
+    ``(index, None)`` once generation ``index`` has finished (parallel samples streamed
+    together; SGLang's and OpenAI's chunks carry the ``index``)."""
+    if len(gens) == 1:
+        async for delta in gens[0].updates():
+            yield 0, delta
+        yield 0, None
+        return
+    queue: asyncio.Queue[tuple[int, str | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, g: Generation) -> None:
+        try:
+            async for delta in g.updates():
+                queue.put_nowait((i, delta, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    left = len(gens)
+    try:
+        while left:
+            i, delta, err = await queue.get()
+            if err is not None:
+                raise err
+            if delta is None:
+                left -= 1
+            yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()

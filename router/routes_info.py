@@ -1,6 +1,7 @@
 """What the server is and how it is doing, and its admin actions.
 
-``GET /get_model_info`` (alias ``/model_info``), ``/get_server_info`` (alias ``/server_info``),
+``GET /get_model_info`` (alias ``/model_info``), ``/get_server_info`` (alias ``/server_info``:
+SGLang's server-args keys, then ours, the per-worker state under ``workers``), ``/get_load``,
 ``/health``, ``/health_generate`` (one real token through a worker), ``/metrics``
 (Prometheus); ``/flush_cache`` (admin tenants only, when keys are required) and
 ``POST /abort_request`` (a tenant may abort only its own requests unless it is an admin).
@@ -76,10 +77,25 @@ def info_routes(state: ServerState) -> list[Route]:
         if state.tenants is not None:
             tenants = [{"name": t.name, "weight": t.weight} for t in state.tenants.tenants]
         return {
+            # SGLang's server-args keys (what its tooling reads) ...
             "version": "sgl-fair 0.1.0",
-            "model_path": state.model_name,
+            "model_path": cfg.model_path or state.model_name,
+            "tokenizer_path": tok.name,
             "served_model_name": state.model_name,
             "dp_size": cfg.dp,
+            "tp_size": cfg.tp or 1,
+            "pp_size": 1,
+            "page_size": 1,
+            "max_total_num_tokens": state.kv_capacity_tokens,
+            "max_prefill_tokens": cfg.chunked_prefill_size,
+            "load_balance_method": cfg.router_policy,
+            "skip_tokenizer_init": False,
+            "is_embedding": False,
+            "enable_lora": cfg.backend == "sglang",
+            "internal_states": [
+                {"dp_rank": w["id"], "avg_spec_accept_length": None, **w} for w in workers
+            ],
+            # ... then ours; the per-worker state is under "workers"
             "backend": cfg.backend,
             "gpu": cfg.gpu,
             "model": cfg.model,
@@ -104,6 +120,27 @@ def info_routes(state: ServerState) -> list[Route]:
 
     async def server_info(request: HTTPRequest) -> Response:
         return JSON(server_info_dict())
+
+    async def get_load(request: HTTPRequest) -> Response:
+        """``GET /get_load``: SGLang's per-data-parallel-rank load, one entry per worker
+        (requests running and waiting, KV tokens in use), as its gateway polls it."""
+        router = svc.router
+        out = []
+        for w in svc.workers.values():
+            load = router.load(w.wid) if w.alive else None
+            running = load.num_running if load else 0
+            waiting = (load.num_waiting if load else 0) + router.queue_len(w.wid)
+            out.append(
+                {
+                    "dp_rank": w.wid,
+                    "num_reqs": running + waiting,
+                    "num_running_reqs": running,
+                    "num_waiting_reqs": waiting,
+                    "num_tokens": load.kv_used_tokens if load else 0,
+                    "alive": w.alive,
+                }
+            )
+        return JSON(out)
 
     async def health(request: HTTPRequest) -> Response:
         """SGLang's shape when all is well (200, empty); a degraded cluster still answers 200
@@ -204,6 +241,7 @@ def info_routes(state: ServerState) -> list[Route]:
         Route("/model_info", get_model_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),

@@ -1,5 +1,10 @@
 """OpenAI-compatible endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (each
-with SSE streaming and ``stream_options.include_usage``) and ``GET /v1/models``."""
+with SSE streaming, ``stream_options.include_usage`` and ``n`` parallel samples),
+``GET /v1/models`` and ``GET /v1/models/{id}``.
+
+Any ``model`` name is answered by the served model, as SGLang does (gateways pass the client's
+name through); responses report the served name.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from sgl_fair.router import protocol as P
-from sgl_fair.router.generation import Generation, done_all, prepare, until_done
+from sgl_fair.router.generation import (
+    Generation,
+    done_all,
+    merged_updates,
+    prepare,
+    until_done,
+)
 from sgl_fair.router.http_io import JSON, read_json_body
 from sgl_fair.router.state import Identity, ServerState
 
@@ -20,99 +31,116 @@ from sgl_fair.router.state import Identity, ServerState
 def openai_routes(state: ServerState) -> list[Route]:
     """The OpenAI-compatible routes over ``state``."""
     tok = state.tokenizer
-    limits = state.limits
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in (state.model_name, "default"):
-            raise P.ProtocolError(
-                404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
-                "model",
-            )  # fmt: skip
 
     async def completions(request: HTTPRequest) -> Response:
         body = await read_json_body(request, state.cfg.max_body_bytes)
-        req = P.parse_completion(body, limits)
-        check_model(req.model)
-        param = "prompt"
-        who, gens = prepare(state, request, req.items, param, req.user)
+        req = P.parse_completion(body, state.limits, engine=state.cfg.backend)
+        who, gens = prepare(state, request, req.items, "prompt", req.user)
         created = int(time.time())
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return openai_stream(request, gens[0], who, req, cid, created, chat=False)
+            return openai_stream(request, gens, who, req, cid, created, chat=False)
         await until_done(state, request, gens, who)
         return JSON(
             P.completion_response(
                 [g.completion() for g in gens], model=state.model_name, created=created,
                 tokenizer=tok, echo=req.echo, logprobs=req.logprobs, id=cid,
+                n=req.items[0].sampling.n,
             )
         )  # fmt: skip
 
     async def chat_completions(request: HTTPRequest) -> Response:
         body = await read_json_body(request, state.cfg.max_body_bytes)
-        req = P.parse_chat(body, limits)
-        check_model(req.model)
+        req = P.parse_chat(body, state.limits, engine=state.cfg.backend)
         item = req.item_for(P.render_chat_prompt(req, tok))
         who, gens = prepare(state, request, [item], "messages", req.user, chat=True)
         created = int(time.time())
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return openai_stream(request, gens[0], who, req, cid, created, chat=True)
+            return openai_stream(request, gens, who, req, cid, created, chat=True)
         await until_done(state, request, gens, who)
         return JSON(
             P.chat_response(
-                gens[0].completion(), model=state.model_name, created=created, tokenizer=tok,
-                logprobs=bool(req.logprobs), id=cid,
+                [g.completion() for g in gens], model=state.model_name, created=created,
+                tokenizer=tok, logprobs=bool(req.logprobs), id=cid,
             )
         )  # fmt: skip
 
     def openai_stream(
-        request: HTTPRequest, g: Generation, who: Identity, req: Any, cid: str, created: int,
-        *, chat: bool,
+        request: HTTPRequest, gens: list[Generation], who: Identity, req: Any, cid: str,
+        created: int, *, chat: bool,
     ) -> StreamingResponse:  # fmt: skip
         return StreamingResponse(
-            stream_openai(request, g, who, req, cid, created, chat=chat),
+            stream_openai(request, gens, who, req, cid, created, chat=chat),
             media_type="text/event-stream",
         )
 
     async def stream_openai(
-        request: HTTPRequest, g: Generation, who: Identity, req: Any, cid: str, created: int,
-        *, chat: bool,
+        request: HTTPRequest, gens: list[Generation], who: Identity, req: Any, cid: str,
+        created: int, *, chat: bool,
     ):  # fmt: skip
-        common = {"rid": g.call.rid, "model": state.model_name, "created": created, "id": cid}
+        common = {"rid": gens[0].call.rid, "model": state.model_name, "created": created,
+                  "id": cid}  # fmt: skip
+        failed = False
         try:
             if chat:
-                yield P.sse(P.chat_first_chunk(**common))
-            async for delta in g.updates():
-                g.call.started = True
+                for i in range(len(gens)):
+                    yield P.sse(P.chat_first_chunk(index=i, **common))
+            async for i, delta in merged_updates(gens):
+                g = gens[i]
+                if g.call is not None:
+                    g.call.started = True
+                if delta is not None:
+                    if chat:
+                        yield P.sse(P.chat_chunk(content=delta, index=i, **common))
+                    else:
+                        yield P.sse(P.completion_chunk(text=delta, index=i, **common))
+                    continue
+                err = g.failed
+                if err is not None and not g.out_ids:
+                    yield P.sse_error(err)
+                    failed = True
+                    break
+                comp = g.completion()
+                if comp.finish is not None and comp.finish.kind == "abort":
+                    yield P.sse_error(P.finish_error(comp.finish))
+                    failed = True
+                    break
                 if chat:
-                    yield P.sse(P.chat_chunk(content=delta, **common))
+                    yield P.sse(P.chat_chunk(content=None, finish=comp.finish, index=i, **common))
                 else:
-                    yield P.sse(P.completion_chunk(text=delta, **common))
-            err = g.failed
-            comp = g.completion()
-            if err is not None and not g.out_ids:
-                yield P.sse_error(err)
-            elif comp.finish is not None and comp.finish.kind == "abort":
-                yield P.sse_error(P.finish_error(comp.finish))
-            else:
-                if chat:
-                    yield P.sse(P.chat_chunk(content=None, finish=comp.finish, **common))
-                else:
-                    yield P.sse(P.completion_chunk(text="", finish=comp.finish, **common))
-                if req.include_usage:
-                    use = P.usage(len(comp.prompt_ids), len(comp.output_ids), comp.cached_tokens)
-                    make = P.chat_usage_chunk if chat else P.completion_usage_chunk
-                    yield P.sse(make(usage=use, **common))
+                    yield P.sse(P.completion_chunk(text="", finish=comp.finish, index=i, **common))
+            if not failed and req.include_usage:
+                comps = [g.completion() for g in gens]
+                use = P.usage(
+                    len(comps[0].prompt_ids),
+                    sum(len(c.output_ids) for c in comps),
+                    comps[0].cached_tokens,
+                )
+                make = P.chat_usage_chunk if chat else P.completion_usage_chunk
+                yield P.sse(make(usage=use, **common))
             yield P.SSE_DONE
         finally:
-            g.abort("client disconnected")
-            done_all(state, [g], who)
+            for g in gens:
+                g.abort("client disconnected")
+            done_all(state, gens, who)
+
+    def card() -> dict[str, Any]:
+        return P.models_response(state.model_name, max_model_len=state.limits.context_len)["data"][
+            0
+        ]
 
     async def models(request: HTTPRequest) -> Response:
-        return JSON(P.models_response(state.model_name))
+        return JSON({"object": "list", "data": [card()]})
+
+    async def model(request: HTTPRequest) -> Response:
+        """``GET /v1/models/{id}``: ids may hold slashes (Hugging Face ids). Any id is the
+        served model (the rule the generation endpoints follow), reported by its name."""
+        return JSON(card())
 
     return [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
     ]

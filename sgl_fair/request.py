@@ -77,6 +77,10 @@ class Request:
     # ``sampling_params`` keys, e.g. temperature, top_p, stop_token_ids); None: the engine's
     # defaults. The simulator ignores them.
     sampling: dict[str, Any] | None = None
+    # Top-level fields of SGLang's /generate passed through untouched to a real engine
+    # (lora_path, custom_logit_processor, image_data, ...); None: none. The simulator
+    # never sees any (the front refuses them for it).
+    extra: dict[str, Any] | None = None
 
     # ---- scheduler bookkeeping (below this line nothing is set by the submitter) ----
     phase: Phase = Phase.WAITING

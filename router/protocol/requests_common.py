@@ -7,11 +7,15 @@ with validated :class:`SamplingParams` under the server's :class:`Limits`. Every
 (``sampling_params.max_new_tokens must be an integer >= 0 (got -5)``), because the person
 reading the 400 is debugging a client.
 
-We are strict on purpose: an unknown field is a 400 naming it (SGLang would answer 422;
-silently ignoring it hides typos such as ``max_token``), and features this server does
-not implement (constrained decoding, images, LoRA, tools) are refused with a 400 that
-says so, never silently dropped. ``null`` always means "not given": SGLang's own
-frontend sends ``"regex": null`` and ``"json_schema": null`` with every request.
+SGLang's contract (``docs/compatibility.md``): unknown keys at the top level of a body are
+ignored, as SGLang ignores them (gateways add fields; SGLang's own clients send fields of
+newer releases), but unknown keys inside ``sampling_params`` are a 400 naming them, as SGLang
+refuses them. Every known field's *value* is checked and a bad one is a 400 naming it.
+Features that only a real engine has (constrained decoding, LoRA, custom logit processors,
+images) are passed through untouched to SGLang on ``--backend sglang`` (``engine="sglang"``)
+and refused on the simulated engine with a 400 that says why, never silently dropped.
+``null`` always means "not given": SGLang's own frontend sends ``"regex": null`` and
+``"json_schema": null`` with every request.
 
 The ``_``-named helpers are this package's own (the parsers import them), not its API.
 """
@@ -39,6 +43,7 @@ class Limits:
     max_batch: int = 256
     max_stop: int = 16
     max_top_logprobs: int = 20
+    max_n: int = 64  # parallel samples per prompt (OpenAI ``n``, SGLang ``sampling_params.n``)
 
     @property
     def new_tokens_cap(self) -> int:
@@ -77,6 +82,10 @@ class SamplingParams:
     no_stop_trim: bool = False
     seed: int | None = None
     stream_interval: int = 1  # stream a chunk every this many tokens (SGLang's name)
+    n: int = 1  # parallel samples of the prompt: n requests sharing its KV prefix
+    # Keys passed through untouched to SGLang's sampling_params (``--backend sglang`` only:
+    # constrained decoding, logit_bias, custom_params, ...); None when there are none.
+    engine_extra: Mapping[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +108,10 @@ class GenItem:
     return_text_in_logprobs: bool = False
     rid: str | None = None
     routing_key: str | None = None
+    # Top-level fields passed through untouched to SGLang's /generate (``--backend sglang``:
+    # lora_path, custom_logit_processor, image_data, ...); None when there are none.
+    extra: dict[str, Any] | None = None
+    return_prompt_token_ids: bool = False
 
 
 # ---- value checks ---------------------------------------------------------------------------
@@ -225,19 +238,62 @@ def _v_top_k(v: Any, path: str, limits: Limits) -> int:
     return -1 if v == 0 else v
 
 
-def _v_n(v: Any, path: str, limits: Limits) -> None:
-    if v != 1 or not _is_int(v):
-        raise ProtocolError(400, f"{path} must be 1: this server returns one choice", path)
-
-
-def _v_constrained(v: Any, path: str, limits: Limits) -> None:
-    if not _empty(v):
-        raise ProtocolError(400, f"{path}: {_CONSTRAINED}", path)
+def _v_n(v: Any, path: str, limits: Limits) -> int:
+    return _int(v, path, 1, limits.max_n)
 
 
 def _v_null_only(v: Any, path: str, limits: Limits) -> None:
     if not _empty(v):
         raise _unsupported(path)
+
+
+SIM_ONLY = "on the simulated engine; it is passed through to SGLang on --backend sglang"
+
+
+def sim_refusal(path: str, why: str) -> ProtocolError:
+    """The 400 for a field only a real engine can honour, asked of the simulated one."""
+    return ProtocolError(400, f"{path}: {why} is not possible {SIM_ONLY}", path)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """A key passed through untouched to SGLang (``engine="sglang"``), refused on the
+    simulated engine with ``why`` when it is set; ``check`` validates its value first."""
+
+    why: str
+    check: Any = None
+
+
+def _any_v(v: Any, path: str, limits: Limits) -> Any:
+    return v
+
+
+def _str_v(v: Any, path: str, limits: Limits) -> str:
+    return _str(v, path)
+
+
+def _obj_v(v: Any, path: str, limits: Limits) -> dict[str, Any]:
+    return _obj(v, path)
+
+
+def _str_or_list_v(v: Any, path: str, limits: Limits) -> Any:
+    if type(v) is str:
+        return v
+    if type(v) is not list or any(type(x) is not str for x in v):
+        raise _bad(path, "a string or a list of strings", v)
+    return v
+
+
+def _str_list_v(v: Any, path: str, limits: Limits) -> list[str]:
+    if type(v) is not list or any(type(x) is not str for x in v):
+        raise _bad(path, "a list of strings", v)
+    return v
+
+
+def _str_or_obj_v(v: Any, path: str, limits: Limits) -> Any:
+    if type(v) not in (str, dict):
+        raise _bad(path, "a string or an object", v)
+    return v
 
 
 def _v_stream_interval(v: Any, path: str, limits: Limits) -> int:
@@ -264,8 +320,10 @@ def _ids_v(v: Any, path: str, limits: Limits) -> tuple[int, ...]:
     return tuple(_int_list(v, path))
 
 
-# wire key -> (SamplingParams field or None to drop, validator(value, path, limits))
-_Fields = dict[str, tuple[str | None, Any]]
+# wire key -> (SamplingParams field or None to drop, validator(value, path, limits)),
+# or a _Pass: passed through to SGLang, refused on the simulated engine.
+_Fields = dict[str, Any]
+_CONSTRAINED_WHY = "constrained decoding"
 
 _COMMON_SAMPLING: _Fields = {
     "top_p": ("top_p", _num_v(0, 1, lo_open=True)),
@@ -280,29 +338,48 @@ _COMMON_SAMPLING: _Fields = {
     "skip_special_tokens": ("skip_special_tokens", _bool_v),
     "spaces_between_special_tokens": ("spaces_between_special_tokens", _bool_v),
     "no_stop_trim": ("no_stop_trim", _bool_v),
-    "n": (None, _v_n),
-    "json_schema": (None, _v_constrained),
-    "regex": (None, _v_constrained),
-    "ebnf": (None, _v_constrained),
-    "structural_tag": (None, _v_constrained),
-    "stop_regex": (None, _v_null_only),
-    "logit_bias": (None, _v_null_only),
+    "n": ("n", _v_n),
+    "json_schema": _Pass(_CONSTRAINED_WHY, _str_or_obj_v),
+    "regex": _Pass(_CONSTRAINED_WHY, _str_v),
+    "ebnf": _Pass(_CONSTRAINED_WHY, _str_v),
+    "structural_tag": _Pass(_CONSTRAINED_WHY, _str_or_obj_v),
+    "stop_regex": _Pass("stopping on a regular expression", _str_or_list_v),
+    "logit_bias": _Pass("logit_bias (the simulated engine has no logits)", _obj_v),
 }
 
 
 def _sampling_from(
-    obj: Mapping[str, Any], table: _Fields, prefix: str, limits: Limits, **defaults: Any
+    obj: Mapping[str, Any],
+    table: _Fields,
+    prefix: str,
+    limits: Limits,
+    engine: str = "sim",
+    **defaults: Any,
 ) -> SamplingParams:
-    """Validate the keys of ``obj`` found in ``table``; unknown keys are the caller's job."""
+    """Validate the keys of ``obj`` found in ``table``; unknown keys are the caller's job.
+    ``_Pass`` keys go to ``engine_extra`` for ``engine="sglang"``; the simulated engine
+    refuses them when set (``false``/``null``/empty mean not set)."""
     values: dict[str, Any] = dict(defaults)
+    extra: dict[str, Any] = {}
     for key, value in obj.items():
         spec = table.get(key)
         if spec is None or value is None:
+            continue
+        if isinstance(spec, _Pass):
+            if spec.check is not None:
+                spec.check(value, prefix + key, limits)
+            if _empty(value):
+                continue
+            if engine != "sglang":
+                raise sim_refusal(prefix + key, spec.why)
+            extra[key] = value
             continue
         name, check = spec
         checked = check(value, prefix + key, limits)
         if name is not None:
             values[name] = checked
+    if extra:
+        values["engine_extra"] = extra
     params = SamplingParams(**values)
     if params.min_new_tokens > params.max_new_tokens:
         key = "min_new_tokens" if "min_new_tokens" in table else "min_tokens"

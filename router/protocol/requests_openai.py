@@ -2,7 +2,9 @@
 validated into a :class:`CompletionRequest` / :class:`ChatRequest`.
 
 Both endpoints share ``model``, the top-level sampling keys (SGLang's extensions included),
-``stream`` and ``user``. Chat messages are normalized to ``{"role", "content"}``; the
+``stream`` and ``user``; unknown fields are ignored and any ``model`` name is accepted
+(the served model answers), as SGLang does. ``n`` > 1 asks for that many samples. Chat
+messages are normalized to ``{"role", "content"}``; the
 tokenizer's chat template renders them to the prompt (:func:`render_chat_prompt`).
 """
 
@@ -11,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from sgl_fair.router.protocol.errors import ProtocolError
 from sgl_fair.router.protocol.requests_common import (
     _COMMON_SAMPLING,
-    _CONSTRAINED,
     DEFAULT_LIMITS,
     GenItem,
     Limits,
@@ -35,7 +38,9 @@ from sgl_fair.router.protocol.requests_common import (
     _str,
     _unsupported,
     _v_max_new,
+    sim_refusal,
 )
+from sgl_fair.router.protocol.requests_sglang import _NOT_RELAYED
 from sgl_fair.router.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -88,29 +93,36 @@ _OPENAI_SAMPLING: _Fields = {
 
 
 def _openai_common(
-    obj: dict[str, Any], allowed: frozenset[str], limits: Limits, **defaults: Any
-) -> tuple[str, SamplingParams, bool, str | None]:
-    """Unknown keys, ``model``, sampling, ``stream``, ``user``: shared by both endpoints."""
-    for key in obj:
-        if key not in allowed:
-            raise ProtocolError(400, f"unknown field {key!r}", key)
+    obj: dict[str, Any], limits: Limits, engine: str, **defaults: Any
+) -> tuple[str, SamplingParams, bool, str | None, dict[str, Any] | None]:
+    """``model``, sampling, ``stream``, ``user`` and the fields passed through to SGLang:
+    shared by both endpoints. Unknown keys are ignored, as SGLang ignores them; ``model``
+    may name anything (the served model answers)."""
     model = obj.get("model")
     if model is None:
         raise ProtocolError(400, "model is required", "model")
     _str(model, "model")
-    for key, what in _OPENAI_UNSUPPORTED.items():
+    extra: dict[str, Any] = {}
+    for key, why in _OPENAI_SIM_REFUSED.items():
+        v = obj.get(key)
+        if _empty(v):
+            continue
+        if engine != "sglang":
+            raise sim_refusal(key, why)
+        extra[key] = v
+    for key in ("return_hidden_states", "return_routed_experts"):
         if not _empty(obj.get(key)):
-            raise _unsupported(key, what)
+            raise ProtocolError(400, f"{key} {_NOT_RELAYED}", key)
     for key, check in _OPENAI_HARMLESS.items():
         if obj.get(key) is not None:
             check(obj[key], key)
-    sampling = _sampling_from(obj, _OPENAI_SAMPLING, "", limits, **defaults)
+    sampling = _sampling_from(obj, _OPENAI_SAMPLING, "", limits, engine, **defaults)
     stream = obj.get("stream")
     stream = False if stream is None else _bool(stream, "stream")
     user = obj.get("user")
     if user is not None:
         _str(user, "user")
-    return model, sampling, stream, user
+    return model, sampling, stream, user, extra or None
 
 
 _OPENAI_HARMLESS: dict[str, Any] = {
@@ -120,15 +132,26 @@ _OPENAI_HARMLESS: dict[str, Any] = {
     "priority": _int,
     "stream_options": _obj,
 }
-_OPENAI_UNSUPPORTED = {
+# SGLang's extensions passed through to its /generate on --backend sglang; refused on the
+# simulated engine when set.
+_OPENAI_SIM_REFUSED = {
     "lora_path": "LoRA (lora_path)",
-    "return_hidden_states": "return_hidden_states",
+    "custom_logit_processor": "a custom logit processor",
 }
+# The fields each endpoint knows (anything else is ignored; docs/compatibility.md).
 _OPENAI_BASE_KEYS = frozenset(
-    {"model", "stream", *_OPENAI_SAMPLING, *_OPENAI_HARMLESS, *_OPENAI_UNSUPPORTED}
+    {
+        "model",
+        "stream",
+        "return_hidden_states",
+        "return_routed_experts",
+        *_OPENAI_SAMPLING,
+        *_OPENAI_HARMLESS,
+        *_OPENAI_SIM_REFUSED,
+    }
 )
-_COMPLETION_KEYS = _OPENAI_BASE_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-_CHAT_KEYS = _OPENAI_BASE_KEYS | {
+COMPLETION_FIELDS = _OPENAI_BASE_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _OPENAI_BASE_KEYS | {
     "messages",
     "max_completion_tokens",
     "logprobs",
@@ -153,7 +176,9 @@ _CHAT_KEYS = _OPENAI_BASE_KEYS | {
 }
 
 
-def parse_completion(body: bytes, limits: Limits = DEFAULT_LIMITS) -> CompletionRequest:
+def parse_completion(
+    body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
+) -> CompletionRequest:
     """Parse and validate OpenAI's ``POST /v1/completions`` body.
 
     ``prompt``: a string, a list of strings (a batch), a list of token ids, or a list of
@@ -165,7 +190,7 @@ def parse_completion(body: bytes, limits: Limits = DEFAULT_LIMITS) -> Completion
     ``stop_token_ids``, ``routing_key``, ``rid``, ...) are accepted.
     """
     obj = _load_object(body)
-    model, sampling, stream, user = _openai_common(obj, _COMPLETION_KEYS, limits, max_new_tokens=16)
+    model, sampling, stream, user, extra = _openai_common(obj, limits, engine, max_new_tokens=16)
     if "prompt" not in obj or obj["prompt"] is None:
         raise ProtocolError(400, "prompt is required", "prompt")
     prompts, are_ids, is_batch = _prompts(
@@ -180,8 +205,10 @@ def parse_completion(body: bytes, limits: Limits = DEFAULT_LIMITS) -> Completion
     if obj.get("suffix") not in (None, ""):
         raise _unsupported("suffix")
     best_of = obj.get("best_of")
-    if best_of is not None and (not _is_int(best_of) or best_of != 1):
-        raise ProtocolError(400, "best_of must be 1: this server returns one choice", "best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != sampling.n):
+        raise ProtocolError(
+            400, f"best_of must equal n ({sampling.n}): every sample is returned", "best_of"
+        )
     echo = obj.get("echo")
     echo = False if echo is None else _bool(echo, "echo")
     logprobs = obj.get("logprobs")
@@ -201,6 +228,7 @@ def parse_completion(body: bytes, limits: Limits = DEFAULT_LIMITS) -> Completion
             return_text_in_logprobs=True,
             rid=rid,
             routing_key=obj.get("routing_key"),
+            extra=extra,
         )
         for p in prompts
     ]
@@ -270,7 +298,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     return {"role": role, "content": "\n".join(texts)}
 
 
-def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
+def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim") -> ChatRequest:
     """Parse and validate OpenAI's ``POST /v1/chat/completions`` body.
 
     ``messages``: a non-empty list of ``{"role", "content"}`` with role system, user,
@@ -281,8 +309,8 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
     images and audio are refused with a 400 naming the field.
     """
     obj = _load_object(body)
-    model, sampling, stream, user = _openai_common(
-        obj, _CHAT_KEYS, limits, max_new_tokens=limits.new_tokens_cap
+    model, sampling, stream, user, extra = _openai_common(
+        obj, limits, engine, max_new_tokens=limits.new_tokens_cap
     )
     if obj.get("max_completion_tokens") is not None:
         sampling = replace(
@@ -301,13 +329,7 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
         raise _bad("messages", "a non-empty list of messages", messages)
     normalized = [_message(m, i) for i, m in enumerate(messages)]
 
-    response_format = obj.get("response_format")
-    if response_format is not None:
-        kind = _obj(response_format, "response_format").get("type")
-        if kind in ("json_object", "json_schema"):
-            raise ProtocolError(400, f"response_format {kind}: {_CONSTRAINED}", "response_format")
-        if kind != "text":
-            raise _bad("response_format.type", '"text"', kind)
+    sampling = _response_format(obj.get("response_format"), sampling, engine)
     for key in ("tools", "functions"):
         if not _empty(obj.get(key)):
             raise ProtocolError(400, f"{key}: tool calling is not supported by this server", key)
@@ -356,6 +378,7 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
         return_text_in_logprobs=True,
         rid=obj.get("rid"),
         routing_key=obj.get("routing_key"),
+        extra=extra,
     )
     return ChatRequest(
         model=model,
@@ -369,6 +392,31 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
         template_kwargs=template_kwargs,
         continue_final_message=cont,
     )
+
+
+def _response_format(rf: Any, sampling: SamplingParams, engine: str) -> SamplingParams:
+    """OpenAI's ``response_format``: ``text`` is the default; ``json_object`` /
+    ``json_schema`` / ``structural_tag`` become SGLang's constrained-decoding sampling keys
+    on ``--backend sglang`` (as SGLang's OpenAI layer does) and are refused on the sim."""
+    if rf is None:
+        return sampling
+    kind = _obj(rf, "response_format").get("type")
+    if kind == "text":
+        return sampling
+    if kind not in ("json_object", "json_schema", "structural_tag"):
+        kinds = '"text", "json_object", "json_schema" or "structural_tag"'
+        raise _bad("response_format.type", kinds, kind)
+    if engine != "sglang":
+        raise sim_refusal("response_format", f"constrained decoding ({kind})")
+    if kind == "json_object":
+        extra = {"json_schema": '{"type": "object"}'}
+    elif kind == "json_schema":
+        spec = _obj(rf.get("json_schema"), "response_format.json_schema")
+        schema = spec.get("schema", spec.get("schema_", {}))
+        extra = {"json_schema": msgspec.json.encode(schema).decode()}
+    else:
+        extra = {"structural_tag": msgspec.json.encode(rf).decode()}
+    return replace(sampling, engine_extra={**(sampling.engine_extra or {}), **extra})
 
 
 def render_chat_prompt(req: ChatRequest, tokenizer: Tokenizer) -> str:

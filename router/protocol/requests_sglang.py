@@ -2,8 +2,11 @@
 :class:`GenerateRequest`.
 
 ``text`` or ``input_ids``, one prompt or a batch; ``sampling_params`` and the logprob options
-once or per prompt. SGLang's fields that change nothing here are accepted and checked; the
-features this server does not implement are refused (``requests_common`` says why).
+once or per prompt. Every field of SGLang 0.5.23's generate request is known here
+(``GENERATE_FIELDS``): honoured, accepted without effect, passed through to SGLang on
+``--backend sglang``, or refused on the simulated engine with the reason
+(``docs/compatibility.md`` has the table). Unknown top-level fields are ignored, as SGLang
+ignores them; unknown ``sampling_params`` keys are refused, as SGLang refuses them.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ from sgl_fair.router.protocol.requests_common import (
     _load_object,
     _num_v,
     _obj,
+    _obj_v,
+    _Pass,
     _prompts,
     _sampling_from,
     _str,
-    _unsupported,
+    _str_list_v,
     _v_max_new,
-    _v_null_only,
     _v_stream_interval,
+    sim_refusal,
 )
 
 
@@ -58,49 +63,32 @@ _NATIVE_SAMPLING: _Fields = {
     "min_new_tokens": ("min_new_tokens", _int_v(lo=0)),
     "temperature": ("temperature", _num_v(0, 100)),
     "sampling_seed": ("seed", _int_v()),
-    "custom_params": (None, _v_null_only),
     "stream_interval": ("stream_interval", _v_stream_interval),
+    "custom_params": _Pass("custom_params (for a custom logit processor)", _obj_v),
+    "beam_width": _Pass("beam search", _int_v(lo=1)),
+    "watermark": _Pass("watermarking (it changes the sampler)", _obj_v),
+    "choice": _Pass("constrained decoding (choice)", _str_list_v),
 }
 
 
-def _native_sampling(v: Any, path: str, limits: Limits) -> SamplingParams:
+def _native_sampling(v: Any, path: str, limits: Limits, engine: str) -> SamplingParams:
     sp = _obj(v, path)
     for key in sp:
         if key not in _NATIVE_SAMPLING:
             raise ProtocolError(400, f"unknown field {path}.{key}", f"{path}.{key}")
-    return _sampling_from(sp, _NATIVE_SAMPLING, path + ".", limits)
+    params = _sampling_from(sp, _NATIVE_SAMPLING, path + ".", limits, engine)
+    if params.n > 1 and params.engine_extra and "beam_width" in params.engine_extra:
+        raise ProtocolError(400, f"{path}.n: give n or beam_width, not both", f"{path}.n")
+    return params
 
 
 # ---- POST /generate -------------------------------------------------------------------------
+# Every field of SGLang 0.5.23's generate request (``GenerateReqInput`` in
+# sglang/srt/managers/io_struct.py and ``sglang.api.v1.GenerateRequest``), by what we do with
+# it. Fields parsed by ``parse_generate`` itself are in _GENERATE_OWN. Unknown fields are
+# ignored, as SGLang ignores them.
 
-# Fields accepted and ignored (they change nothing this server does), with their check.
-_GENERATE_HARMLESS: dict[str, Any] = {
-    "log_metrics": _bool,
-    "priority": _int,
-    "custom_labels": _obj,
-    "data_parallel_rank": _int,
-    "extra_key": _str,
-    "stream_options": _obj,
-}
-# Fields that must be null/false/empty: features this server does not implement.
-_GENERATE_UNSUPPORTED = {
-    "image_data": "image input",
-    "video_data": "video input",
-    "audio_data": "audio input",
-    "input_embeds": "input_embeds",
-    "modalities": "modalities",
-    "lora_path": "LoRA (lora_path)",
-    "lora_id": "LoRA (lora_id)",
-    "return_hidden_states": "return_hidden_states",
-    "custom_logit_processor": "custom_logit_processor",
-    "session_params": "session_params",
-    "token_ids_logprob": "token_ids_logprob",
-    "bootstrap_host": "disaggregation (bootstrap_host)",
-    "bootstrap_port": "disaggregation (bootstrap_port)",
-    "bootstrap_room": "disaggregation (bootstrap_room)",
-    "bootstrap_pair_key": "disaggregation (bootstrap_pair_key)",
-}
-_GENERATE_KEYS = frozenset(
+_GENERATE_OWN = frozenset(
     {
         "text",
         "input_ids",
@@ -112,10 +100,187 @@ _GENERATE_KEYS = frozenset(
         "return_text_in_logprobs",
         "rid",
         "routing_key",
-        *_GENERATE_HARMLESS,
-        *_GENERATE_UNSUPPORTED,
+        "return_prompt_token_ids",
+        "stream_options",
     }
 )
+
+
+def _opt_int(v: Any, path: str) -> Any:
+    return _int(v, path)
+
+
+def _str_or_list(v: Any, path: str) -> Any:
+    if type(v) is str:
+        return v
+    if type(v) is not list or any(x is not None and type(x) is not str for x in v):
+        raise _bad(path, "a string or a list of strings", v)
+    return v
+
+
+def _any(v: Any, path: str) -> Any:
+    return v
+
+
+# Accepted, and changes nothing here: logging and tracing, the engine's internal
+# bookkeeping, data-parallel placement (our router places requests), hints. Value checked.
+_GENERATE_IGNORED: dict[str, Any] = {
+    "log_metrics": _bool,
+    "no_logs": _bool,
+    "priority": _int,
+    "custom_labels": _obj,
+    "data_parallel_rank": _opt_int,
+    "routed_dp_rank": _opt_int,
+    "disagg_prefill_dp_rank": _opt_int,
+    "session_id": _str,
+    "conversation_id": _str,
+    "background": _bool,
+    "http_worker_ipc": _str,
+    "received_time": _any,
+    "external_trace_header": _obj,
+    "need_wait_for_mm_inputs": _bool,
+    "num_items_assigned": _any,
+    "kv_hints": _any,
+    "require_reasoning": _bool,
+    "max_thinking_tokens": lambda v, p: _int(v, p, lo=0),
+    "routed_experts_start_len": lambda v, p: _int(v, p, lo=0),
+}
+# Passed through to SGLang on --backend sglang; on the simulated engine accepted with no
+# effect (they only partition a prefix cache or pin a disaggregated peer).
+_GENERATE_FORWARD: dict[str, Any] = {
+    "extra_key": _str_or_list,
+    "cache_salt": _str_or_list,
+    "decode_tp_size": _any,
+}
+# Passed through to SGLang on --backend sglang; on the simulated engine refused when set
+# (anything but null/false/empty), with the reason.
+_GENERATE_SIM_REFUSED: dict[str, str] = {
+    "image_data": "image input (the simulated engine is a text model)",
+    "video_data": "video input (the simulated engine is a text model)",
+    "audio_data": "audio input (the simulated engine is a text model)",
+    "mm_hashes": "multimodal input",
+    "mm_content_hashes": "multimodal input",
+    "use_audio_in_video": "multimodal input",
+    "video_config": "multimodal input",
+    "images_config": "multimodal input",
+    "mm_processor_kwargs": "multimodal input",
+    "max_dynamic_patch": "multimodal input",
+    "min_dynamic_patch": "multimodal input",
+    "image_max_dynamic_patch": "multimodal input",
+    "video_max_dynamic_patch": "multimodal input",
+    "encoder_urls": "multimodal input (encoder_urls)",
+    "modalities": "multimodal input (modalities)",
+    "positional_embed_overrides": "positional_embed_overrides",
+    "multi_item_delimiter_indices": "multi-item scoring",
+    "token_indices_to_pool": "pooling",
+    "lora_path": "LoRA (lora_path)",
+    "lora_id": "LoRA (lora_id)",
+    "custom_logit_processor": "a custom logit processor",
+    "session_params": "sessions (session_params)",
+    "watermark": "watermarking",
+    "sampling_logprobs_mode": "sampling_logprobs_mode",
+    "bootstrap_host": "disaggregation (bootstrap_host)",
+    "bootstrap_port": "disaggregation (bootstrap_port)",
+    "bootstrap_room": "disaggregation (bootstrap_room)",
+    "bootstrap_pair_key": "disaggregation (bootstrap_pair_key)",
+}
+# Refused on every backend, set: the router must see the prompt's tokens to route and count
+# it, and it relays SGLang's tokens, text, logprobs and finish reason, not the engine's
+# internals (a pass-through would silently drop what they ask for).
+_NOT_RELAYED = (
+    "is not supported by this server: it relays SGLang's tokens, text and logprobs, not the "
+    "engine's internals"
+)
+_GENERATE_REFUSED = {
+    "input_embeds": "is not supported by this server: the router needs the prompt's tokens",
+    **dict.fromkeys(
+        [
+            "token_ids_logprob",
+            "return_sampling_mask",
+            "return_hidden_states",
+            "return_routed_experts",
+            "return_indexer_topk",
+            "return_entropy",
+            "return_bytes",
+            "return_flat_raw_top_logprobs",
+            "return_flat_raw_output_top_logprobs",
+            "return_flat_raw_top_logprobs_b64",
+        ],
+        _NOT_RELAYED,
+    ),
+}
+
+# Every top-level field we know, for the contract test and the docs.
+GENERATE_FIELDS = frozenset(
+    {
+        *_GENERATE_OWN,
+        *_GENERATE_IGNORED,
+        *_GENERATE_FORWARD,
+        *_GENERATE_SIM_REFUSED,
+        *_GENERATE_REFUSED,
+    }
+)
+SAMPLING_FIELDS = frozenset(_NATIVE_SAMPLING)
+# Per-prompt fields that a batch may give as a list with one entry per prompt.
+_PER_PROMPT = frozenset(
+    {
+        "lora_path",
+        "lora_id",
+        "custom_logit_processor",
+        "image_data",
+        "video_data",
+        "audio_data",
+        "mm_hashes",
+        "mm_content_hashes",
+        "sampling_logprobs_mode",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_pair_key",
+        "decode_tp_size",
+        "extra_key",
+        "cache_salt",
+        "kv_hints",
+    }
+)
+
+
+def _passthrough(
+    obj: dict[str, Any], engine: str, n: int, is_batch: bool
+) -> list[dict[str, Any] | None]:
+    """The top-level fields each prompt passes through to SGLang (``engine="sglang"``); on
+    the simulated engine, a 400 for any that cannot be honoured."""
+    for key, why in _GENERATE_REFUSED.items():
+        v = obj.get(key)
+        if not _empty(v) and not (type(v) is list and all(_empty(x) for x in v)):
+            raise ProtocolError(400, f"{key} {why}", key)
+    for key, check in _GENERATE_IGNORED.items():
+        if obj.get(key) is not None:
+            check(obj[key], key)
+    for key, check in _GENERATE_FORWARD.items():
+        if obj.get(key) is not None:
+            check(obj[key], key)
+    if engine != "sglang":
+        for key, why in _GENERATE_SIM_REFUSED.items():
+            v = obj.get(key)
+            if key == "modalities" and v in (["text"], ("text",)):
+                continue  # text only: what the simulated engine is
+            if not _empty(v) and not (type(v) is list and all(_empty(x) for x in v)):
+                raise sim_refusal(key, why)
+        return [None] * n
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key in (*_GENERATE_FORWARD, *_GENERATE_SIM_REFUSED):
+        v = obj.get(key)
+        if _empty(v):
+            continue
+        if is_batch and key in _PER_PROMPT and type(v) is list and len(v) == n:
+            for i in range(n):
+                if v[i] is not None:
+                    out[i][key] = v[i]
+        else:
+            for d in out:
+                d[key] = v
+    return [d or None for d in out]
 
 
 def _per_item(v: Any, path: str, n: int, is_batch: bool, check: Any) -> list[Any]:
@@ -132,7 +297,9 @@ def _per_item(v: Any, path: str, n: int, is_batch: bool, check: Any) -> list[Any
     return [check(v, path)] * n
 
 
-def parse_generate(body: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
+def parse_generate(
+    body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
+) -> GenerateRequest:
     """Parse and validate SGLang's ``POST /generate`` body.
 
     Exactly one of ``text`` (a string or a non-empty list of strings) and ``input_ids``
@@ -141,17 +308,13 @@ def parse_generate(body: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequ
     a list with one per prompt. Streaming a batch is refused (we stream one request per
     HTTP response). Token ids are checked for being >= 0 here and against the vocabulary
     by the server (:func:`check_ids`), which knows the tokenizer.
+
+    Unknown top-level fields are ignored (SGLang's contract); ``engine`` is the backend
+    (``"sim"`` or ``"sglang"``): what only SGLang can honour is passed through for
+    ``"sglang"`` (``GenItem.extra``, ``SamplingParams.engine_extra``) and refused for
+    ``"sim"``. ``sampling_params.n`` > 1 asks for that many samples of each prompt.
     """
     obj = _load_object(body)
-    for key in obj:
-        if key not in _GENERATE_KEYS:
-            raise ProtocolError(400, f"unknown field {key!r}", key)
-    for key, what in _GENERATE_UNSUPPORTED.items():
-        if not _empty(obj.get(key)):
-            raise _unsupported(key, what)
-    for key, check in _GENERATE_HARMLESS.items():
-        if obj.get(key) is not None:
-            check(obj[key], key)
 
     text, input_ids = obj.get("text"), obj.get("input_ids")
     if text is None and input_ids is None:
@@ -182,8 +345,9 @@ def parse_generate(body: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequ
         samplings = [SamplingParams()] * n
     else:
         samplings = _per_item(
-            sp, "sampling_params", n, is_batch, lambda v, p: _native_sampling(v, p, limits)
+            sp, "sampling_params", n, is_batch, lambda v, p: _native_sampling(v, p, limits, engine)
         )
+    extras = _passthrough(obj, engine, n, is_batch)
 
     def opt(key: str, default: Any, check: Any) -> list[Any]:
         v = obj.get(key)
@@ -194,6 +358,8 @@ def parse_generate(body: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequ
     top_nums = opt("top_logprobs_num", 0, lambda v, p: _int(v, p, 0, limits.max_top_logprobs))
     text_in_lp = obj.get("return_text_in_logprobs")
     text_in_lp = False if text_in_lp is None else _bool(text_in_lp, "return_text_in_logprobs")
+    prompt_ids = obj.get("return_prompt_token_ids")
+    prompt_ids = False if prompt_ids is None else _bool(prompt_ids, "return_prompt_token_ids")
 
     rid = obj.get("rid")
     if rid is None:
@@ -209,6 +375,8 @@ def parse_generate(body: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequ
     routing_key = obj.get("routing_key")
     if routing_key is not None:
         _str(routing_key, "routing_key")
+    if obj.get("stream_options") is not None:
+        _obj(obj["stream_options"], "stream_options")
 
     items = [
         GenItem(
@@ -221,6 +389,8 @@ def parse_generate(body: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequ
             return_text_in_logprobs=text_in_lp,
             rid=rids[i],
             routing_key=routing_key,
+            extra=extras[i],
+            return_prompt_token_ids=prompt_ids,
         )
         for i in range(n)
     ]

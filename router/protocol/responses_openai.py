@@ -83,8 +83,11 @@ def completion_response(
     echo: bool = False,
     logprobs: int | None = None,
     id: str | None = None,
+    n: int = 1,
 ) -> dict[str, Any]:
-    """OpenAI's ``text_completion`` object, one choice per prompt (``index`` in order).
+    """OpenAI's ``text_completion`` object, one choice per prompt and sample (``index`` in
+    order: prompt ``p``'s sample ``j`` is choice ``p * n + j``); usage counts each prompt
+    once however many samples it has.
 
     With ``echo`` each choice's text starts with its prompt, and its logprobs with the
     prompt's (``Completion.input_logprobs`` from position 0; the first is null, as
@@ -121,9 +124,9 @@ def completion_response(
         "model": model,
         "choices": choices,
         "usage": usage(
-            sum(len(c.prompt_ids) for c in completions),
+            sum(len(c.prompt_ids) for c in completions[::n]),
             sum(len(c.output_ids) for c in completions),
-            sum(c.cached_tokens for c in completions),
+            sum(c.cached_tokens for c in completions[::n]),
         ),
     }
 
@@ -192,7 +195,7 @@ def chat_logprobs(
 
 
 def chat_response(
-    c: Completion,
+    c: Completion | Sequence[Completion],
     *,
     model: str,
     created: int,
@@ -200,27 +203,35 @@ def chat_response(
     logprobs: bool = False,
     id: str | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's ``chat.completion`` object. An aborted completion raises its
+    """OpenAI's ``chat.completion`` object: one choice, or one per sample when given a list
+    (``n`` > 1; usage counts the prompt once). An aborted completion raises its
     :func:`finish_error`."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": (
-            chat_logprobs(tokenizer, c.output_logprobs or (), c.output_top_logprobs)
-            if logprobs
-            else None
-        ),
-        "finish_reason": _openai_finish(c.finish),
-    }
-    if c.finish is not None and c.finish.kind == "stop":
-        choice["matched_stop"] = c.finish.matched
+    cs = [c] if isinstance(c, Completion) else list(c)
+    choices = []
+    for i, one in enumerate(cs):
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": one.text},
+            "logprobs": (
+                chat_logprobs(tokenizer, one.output_logprobs or (), one.output_top_logprobs)
+                if logprobs
+                else None
+            ),
+            "finish_reason": _openai_finish(one.finish),
+        }
+        if one.finish is not None and one.finish.kind == "stop":
+            choice["matched_stop"] = one.finish.matched
+        choices.append(choice)
+    first = cs[0]
     return {
-        "id": id or f"chatcmpl-{c.rid}",
+        "id": id or f"chatcmpl-{first.rid}",
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage(len(c.prompt_ids), len(c.output_ids), c.cached_tokens),
+        "choices": choices,
+        "usage": usage(
+            len(first.prompt_ids), sum(len(x.output_ids) for x in cs), first.cached_tokens
+        ),
     }
 
 
@@ -260,10 +271,12 @@ def chat_chunk(
 
 
 def chat_first_chunk(
-    *, rid: str, model: str, created: int, id: str | None = None
+    *, rid: str, model: str, created: int, id: str | None = None, index: int = 0
 ) -> dict[str, Any]:
     """The first chat chunk: ``delta = {"role": "assistant", "content": ""}``."""
-    return chat_chunk(rid=rid, model=model, created=created, content="", role=True, id=id)
+    return chat_chunk(
+        rid=rid, model=model, created=created, content="", role=True, id=id, index=index
+    )
 
 
 def chat_usage_chunk(

@@ -193,16 +193,16 @@ BAD = [
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, {}, 400,
      "sampling_params.bogus"),
     ("/generate", {"text": "hi", "stream": "yes"}, {}, 400, "stream"),
-    ("/generate", {"text": "hi", "unknown_field": 1}, {}, 400, "unknown_field"),
+    ("/generate", {"text": "hi", "lora_path": "x"}, {}, 400, "lora_path"),  # sim: no LoRA
     ("/generate", {"text": "word " * 30000}, {}, 400, "text"),  # longer than the context
-    ("/v1/completions", {"model": "x", "prompt": "hi"}, {}, 404, "model"),
+    ("/v1/completions", {"model": 3, "prompt": "hi"}, {}, 400, "model"),
     ("/v1/completions", {"model": M, "prompt": "hi", "max_tokens": -5}, {}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": M, "messages": []}, {}, 400, "messages"),
     ("/v1/chat/completions", {"model": M, "messages": [{"role": "user"}]}, {}, 400,
      "messages[0].content"),
     ("/v1/chat/completions", {"model": M, "messages": [{"role": "robot", "content": "x"}]}, {},
      400, "messages[0].role"),
-    ("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "x"}], "n": 3},
+    ("/v1/chat/completions", {"model": M, "messages": [{"role": "user", "content": "x"}], "n": 0},
      {}, 400, "n"),
     ("/generate", {"text": "hi"}, {"X-Client-Id": "has space"}, 400, None),
 ]  # fmt: skip

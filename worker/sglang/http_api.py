@@ -99,7 +99,10 @@ async def probe_server(
 
 
 def generate_body(req: Request) -> dict[str, Any]:
-    """The streaming ``/generate`` body for ``req`` (SGLang's native API)."""
+    """The streaming ``/generate`` body for ``req`` (SGLang's native API). The client's
+    pass-through fields (``req.extra``: LoRA, custom logit processors, images, ...) and
+    sampling keys (``req.sampling``: constrained decoding, ...) go in untouched; the keys
+    the bridge itself sets (prompt, streaming, rid, logprobs) win."""
     sampling = dict(req.sampling or {})
     sampling["max_new_tokens"] = req.max_new_tokens
     body: dict[str, Any] = {
@@ -114,6 +117,8 @@ def generate_body(req: Request) -> dict[str, Any]:
         body["logprob_start_len"] = req.logprob_start_len
         if req.top_logprobs_num:
             body["top_logprobs_num"] = req.top_logprobs_num
+    for key, value in (req.extra or {}).items():  # the client's pass-through fields
+        body.setdefault(key, value)
     return body
 
 
