@@ -281,6 +281,11 @@ def _message(m: Any, i: int) -> dict[str, str]:
         return {"role": role, "content": content}
     if type(content) is not list:
         raise _bad(f"{path}.content", "a string or a list of text parts", content)
+    if not content:  # OpenAI refuses an empty parts list too
+        raise ProtocolError(
+            400, f"{path}.content is an empty list: give a string or at least one text part",
+            f"{path}.content",
+        )  # fmt: skip
     texts = []
     for j, part in enumerate(content):
         ppath = f"{path}.content[{j}]"

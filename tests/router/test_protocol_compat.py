@@ -78,3 +78,10 @@ def test_responses_for_n_samples_count_the_prompt_once():
     assert chat["model"] == "served"
     cmpl = P.completion_response(cs, model="served", created=0, tokenizer=tok, n=2)
     assert cmpl["usage"]["prompt_tokens"] == 3 and len(cmpl["choices"]) == 2
+
+
+def test_an_empty_content_parts_list_is_refused_naming_the_field():
+    body = b'{"model": "x", "messages": [{"role": "user", "content": []}]}'
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_chat(body, P.DEFAULT_LIMITS)
+    assert e.value.status == 400 and e.value.param == "messages[0].content"
