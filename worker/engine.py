@@ -32,10 +32,14 @@ class PrefillChunk:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One engine step: a prefill batch (new requests) or a decode batch (one token each)."""
+    """One engine step: prefill chunks and/or one decode token each (mixed only for
+    batch-selecting policies; the default scheduler path emits one kind per step)."""
 
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Request, ...] = ()
+    # KV tokens copied host -> device before this step (bidirectional blocks' checkpoints);
+    # the copy overlaps the step, so it costs max(step, copy), not the sum.
+    swap_in_tokens: int = 0
 
     @property
     def is_prefill(self) -> bool:

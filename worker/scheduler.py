@@ -17,11 +17,20 @@ radix tree, and running requests reserve room for their future output scaled by
 the *new-token ratio* (SGLang's optimistic estimate, decayed each decode step and
 raised after a retraction). Allocation is check-then-commit: tokens a step needs
 are allocated in ``step`` so ``apply`` never fails.
+
+Batch selection (seam #1b): a policy with ``select_batch(candidates, view, cost)`` chooses
+the iteration's running set itself from waiting + running (BROS). The scheduler then
+decodes the chosen running requests, admits the chosen waiting ones in the returned order
+under the same memory/budget rules (one mixed batch), and leaves unchosen running requests
+paused with their KV. ``cost`` is the iteration cost model the scheduler was given
+(``IterationCost``, e.g. the simulator's ``CostModel.step_time``). Policies without the
+method take the path above, unchanged.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sgl_fair.policies.base import Policy, Rejection
@@ -30,6 +39,11 @@ from sgl_fair.records import EventKind, RequestRecord, ServiceEvent
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker.engine import Batch, PrefillChunk, StepResult
 from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
+from sgl_fair.worker.select_step import step_selected
+
+# Seconds for one iteration: prefill chunks ``(num_new_tokens, num_context_before)`` and one
+# decode token per context length (the signature of ``sim.CostModel.step_time``).
+IterationCost = Callable[..., float]
 
 
 @dataclass(frozen=True)
@@ -91,8 +105,10 @@ class Scheduler:
         kv: PrefixKVCache,
         config: SchedulerConfig | None = None,
         log: RunLog | None = None,
+        cost: IterationCost | None = None,
     ) -> None:
         self.policy = policy
+        self.cost = cost  # the iteration cost model, for batch-selecting policies
         self.kv = kv
         self.config = config or SchedulerConfig()
         self.log = log if log is not None else RunLog()
@@ -200,6 +216,7 @@ class Scheduler:
             waiting = False
         else:
             return False
+        self.kv.forget(req)
         req.phase = Phase.ABORTED
         req.abort_reason = reason
         req.finish_s = now
@@ -213,6 +230,9 @@ class Scheduler:
     def step(self, now: float) -> Batch | None:
         """The next batch to run, or None when there is nothing to do."""
         self._now = now
+        select = getattr(self.policy, "select_batch", None)
+        if select is not None:
+            return step_selected(self, select)
         every = self.config.recheck_blocked_every
         if self._admission_blocked and every and self._blocked_decode_steps >= every:
             self._admission_blocked = False
@@ -284,7 +304,13 @@ class Scheduler:
             self.chunked = None
         return PrefillChunk(req, req.num_computed, n, last)
 
-    def _admit(self, budget: int, num_active: int, promised: int) -> list[PrefillChunk]:
+    def _admit(
+        self,
+        budget: int,
+        num_active: int,
+        promised: int,
+        walk: Iterator[Request] | None = None,
+    ) -> list[PrefillChunk]:
         """Pull requests from the policy's order while they fit (SGLang's PrefillAdder).
 
         Room is measured live: ``available_tokens()`` already reflects this step's
@@ -298,7 +324,8 @@ class Scheduler:
         kv = self.kv
         chunks: list[PrefillChunk] = []
         admitted: set[int] = set()
-        walk = self.policy.order(tuple(self.waiting), self)
+        if walk is None:
+            walk = self.policy.order(tuple(self.waiting), self)
         try:
             for req in walk:
                 if budget <= 0:
@@ -360,6 +387,11 @@ class Scheduler:
             )
         self.policy.on_admitted(req, extend if first else 0)
 
+    def checkpointed_slots(self, req: Request) -> int:
+        """KV tokens of ``req`` checkpointed to host (0 unless the allocator checkpoints)."""
+        fn = getattr(self.kv.allocator, "checkpointed_slots", None)
+        return fn(req) if fn is not None else 0
+
     # ------------------------------------------------------------ memory pressure
 
     def _ensure_decode_memory(self) -> None:
@@ -378,9 +410,10 @@ class Scheduler:
         if self.kv.available_tokens() < len(self.running):
             raise MemoryError("KV pool too small for a single running request")
 
-    def _default_victim(self) -> Request:
+    def _default_victim(self, pool: Sequence[Request] | None = None) -> Request:
         # SGLang: fewest generated tokens first, then longest prompt (least work lost).
-        return min(self.running, key=lambda r: (r.num_output, -r.input_len, -r.seq))
+        pool = self.running if pool is None else pool
+        return min(pool, key=lambda r: (r.num_output, -r.input_len, -r.seq))
 
     def _retract(self, req: Request) -> None:
         self.running.remove(req)
@@ -440,6 +473,7 @@ class Scheduler:
             return False
         handle = self.kv.commit(req, req.all_ids(), self._handles.pop(req))
         self.kv.release(req, handle)
+        self.kv.forget(req)
         req.phase = Phase.FINISHED
         req.finish_s = self._now
         self._admission_blocked = False

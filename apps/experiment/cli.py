@@ -85,18 +85,32 @@ def cmd_list() -> int:
     width = max(len(e.name) for e in everything)
     for exp in everything:
         print(f"{exp.name:<{width}}  {exp.figure:<12} {exp.description}")
+    from sgl_fair.experiment import fairserve
+
+    print(f"{fairserve.NAME:<{width}}  {fairserve.FIGURE:<12} {fairserve.DESCRIPTION}")
+    from sgl_fair.experiment import bros
+
+    for exp in bros.EXPERIMENTS.values():
+        print(f"{exp.name:<{width}}  {exp.figure:<12} {exp.description}")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from sgl_fair.experiment import fairserve
     from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
     from sgl_fair.experiment.report import write_outputs
     from sgl_fair.experiment.single import EXPERIMENTS, get_experiment, run_experiment
 
     if args.name in CLUSTER:
         return cmd_run_cluster(args)
+    if args.name == fairserve.NAME:
+        return fairserve.cli_run(args, _CLUSTER_FLAGS, UsageError, _print_rows)
+    from sgl_fair.experiment import bros
+
+    if args.name in bros.EXPERIMENTS:
+        return bros.cmd_run(args)
     if args.name not in EXPERIMENTS:
-        names = ", ".join([*EXPERIMENTS, *CLUSTER])
+        names = ", ".join([*EXPERIMENTS, *CLUSTER, fairserve.NAME])
         raise UsageError(f"unknown experiment {args.name!r} (known: {names})")
     given = [f"--{f}" for f in _CLUSTER_FLAGS if getattr(args, f) is not None]
     if given:

@@ -14,6 +14,20 @@ A policy sees requests and accounting events only (ARCHITECTURE "seams" #1):
 previous admission (VTC's argmin counter, DLPM's deficit walk) are exact: the
 scheduler pulls one request, tries to admit it, and on success calls
 ``on_admitted`` before pulling the next; on failure it closes the generator.
+
+Batch selection (seam #1b, optional; BROS and its RR baseline). A policy that defines
+
+    select_batch(candidates, view, cost) -> list[Request]
+
+chooses the iteration's running set itself: ``candidates`` are the waiting requests (arrival
+order) then the running ones; the result lists those to run this iteration, most important
+first — running ones decode one token, waiting ones are admitted in that order under the
+scheduler's memory and prefill-budget rules (it stops at the first that does not fit), and
+running ones left out are paused with their KV. ``cost(prefill_chunks=[(num_new,
+num_context)], decode_context_lens=[...]) -> seconds`` is the iteration cost model (the
+simulator's ``CostModel.step_time``; None if the scheduler was built without one). Such a
+policy's ``order`` is never called; ``victim(pool)``, if defined, picks whom to retract.
+Policies without ``select_batch`` take the admission walk above, unchanged.
 """
 
 from __future__ import annotations
@@ -162,7 +176,8 @@ def client_weight(weights: Mapping[ClientId, float], client: ClientId) -> float:
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register decorators.
-    from sgl_fair.policies import dlpm, fcfs, lcf, lpm, rpm, vtc  # noqa: F401
+    # bros and rr_class select whole batches (seam #1b).
+    from sgl_fair.policies import bros, dlpm, fairserve, fcfs, lcf, lpm, rpm, rr_class, vtc  # noqa: F401
 
 
 POLICIES = Registry("policy", load=_load_builtin)

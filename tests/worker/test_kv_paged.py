@@ -277,12 +277,6 @@ def test_prefix_cache_evicts_whole_blocks_and_frees_duplicates() -> None:
     assert check(kv) == (16, 16, 0, 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PrefixKVCache.can_allocate counts tokens; evicting a 1-token prefix frees no block "
-    "here (CACHE frees from the end of its list), so allocate raises OutOfMemory. Fix belongs "
-    "in PrefixKVCache: ask the allocator after a dry-run eviction.",
-)
 def test_prefix_cache_promise_holds_over_paged_blocks() -> None:
     kv = PrefixKVCache(PagedAllocator(12, block_size=4))  # 3 blocks
     for owner, tokens in (("a", seq(1, 1)), ("b", seq(100, 4))):

@@ -17,7 +17,8 @@ A block of S slots holds at most one RT and one BE request; they meet in the mid
   engine to do and a simulator to charge. With the host full, ``can_allocate`` says False and
   ``victims_for`` names requests whose ``drop`` makes room (BE first).
 * Classes come from ``set_class`` or ``allocate(..., request_class=)``, unknown owners are BE; a
-  class stays until ``forget``/``drop`` (``PrefixKVCache`` allocates without one).
+  class stays until ``forget``/``drop`` (``PrefixKVCache`` passes the request's
+  ``service_class`` and forgets finished requests).
 * CACHE: ``transfer(req, CACHE, n)`` re-labels the first n resident tokens in place (no copy,
   never fails); a side may hold a CACHE piece, then the request it came from. CACHE is pinned:
   never overwritten, never a victim (the radix tree evicts). Other transfers are refused: they
@@ -170,6 +171,27 @@ class BidirectionalAllocator:
         if 0 <= num_tokens <= room + len(self.layout.free_blocks) * self.block_size:
             return not (num_tokens and cls == BE and self.checkpointed_slots(owner))
         return self._plan(owner, cls, num_tokens) is not None
+
+    def can_allocate_after_free(
+        self,
+        owner: Hashable,
+        num_tokens: int,
+        freed: Hashable,
+        k: int,
+        *,
+        request_class: str | None = None,
+    ) -> bool:
+        """``can_allocate`` once ``free(freed, k)`` has run, never over-promising: the blocks
+        it would empty count as free; preemption on top of that is not counted."""
+        if self.can_allocate(owner, num_tokens, request_class=request_class):
+            return True
+        cls = self._checked_class(owner, request_class)
+        if num_tokens and cls == BE and self.checkpointed_slots(owner):
+            return False
+        cur = self.layout.growable(owner, _SIDE[cls])
+        room = 0 if cur is None else self.layout.room(cur)
+        num_free = len(self.layout.free_blocks) + self.layout.blocks_freed_by(freed, k)
+        return 0 <= num_tokens <= room + num_free * self.block_size
 
     def allocate(
         self, owner: Hashable, num_tokens: int, *, request_class: str | None = None

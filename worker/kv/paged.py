@@ -185,6 +185,19 @@ class BlockLayout:
         if not sides[0] and not sides[1]:
             self.free_blocks.add(piece.block)
 
+    def blocks_freed_by(self, owner: Hashable, n: int) -> int:
+        """Blocks that ``free(owner, n)`` (its last ``n`` tokens) would empty; no side effects."""
+        gone: set[int] = set()
+        for seg in reversed(self.segs.get(owner, ())):
+            if n <= 0:
+                break
+            if isinstance(seg, Piece) and seg.length <= n:
+                gone.add(id(seg))
+            n -= seg.length
+        blocks = {p.block for p in self.segs.get(owner, ()) if id(p) in gone}
+        sides = self.sides
+        return sum(all(id(q) in gone for q in (*sides[b][0], *sides[b][1])) for b in blocks)
+
     def hand_over(self, src: Hashable, dst: Hashable, n: int) -> None:
         """Re-label ``src``'s first ``n`` tokens (all in leading pieces) as ``dst``'s, in place."""
         segs, dst_segs = self.segs[src], self.segs.setdefault(dst, [])
@@ -266,6 +279,11 @@ class PagedAllocator:
 
     def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
         return 0 <= num_tokens <= self.room(owner) + self.num_free_tokens()
+
+    def can_allocate_after_free(self, owner: Hashable, num_tokens: int, freed: Hashable, k: int):
+        """``can_allocate`` once ``free(freed, k)`` has run (a dry run: nothing changes)."""
+        num_free = len(self.layout.free_blocks) + self.layout.blocks_freed_by(freed, k)
+        return 0 <= num_tokens <= self.room(owner) + num_free * self.block_size
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
         if not self.can_allocate(owner, num_tokens):

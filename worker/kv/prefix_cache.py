@@ -50,6 +50,7 @@ class KVUsage(NamedTuple):
 class PrefixKVCache:
     def __init__(self, allocator: KVAllocator, tree: RadixTree | None = None) -> None:
         self.allocator = allocator
+        self._classed = hasattr(allocator, "set_class")  # places requests by RT/BE class
         self.tree = tree if tree is not None else RadixTree()
         self.num_evicted_tokens = 0
         # Evicted blocks ``(path, start)`` not yet reported; None = nobody listens (a single
@@ -114,16 +115,46 @@ class PrefixKVCache:
         self.tree.lock(node)
         return PrefixHandle(matched, node)
 
+    def _class_of(self, owner: Hashable) -> dict:
+        """``request_class=`` for allocators that place by RT/BE class (bidirectional)."""
+        if not self._classed:
+            return {}
+        cls = getattr(owner, "service_class", None)
+        return {} if cls is None else {"request_class": getattr(cls, "value", cls)}
+
     def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
-        return 0 <= num_tokens <= self.available_tokens()
+        """Whether ``allocate`` will succeed: the allocator's own answer after a dry-run
+        eviction of every evictable prefix (block allocators: tokens are not blocks)."""
+        if not 0 <= num_tokens <= self.available_tokens():
+            return False
+        kw = self._class_of(owner)
+        alloc = self.allocator
+        if alloc.can_allocate(owner, num_tokens, **kw):
+            return True
+        evictable = self.tree.evictable_tokens
+        probe = getattr(alloc, "can_allocate_after_free", None)
+        if probe is None or not evictable:  # token pools: free + evictable is exact
+            return probe is None
+        return probe(owner, num_tokens, CACHE, evictable, **kw)
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
         if not self.can_allocate(owner, num_tokens):  # check before evicting anything
             raise OutOfMemory(f"need {num_tokens} tokens, {self.available_tokens()} available")
+        kw = self._class_of(owner)
         short = num_tokens - self.allocator.num_free_tokens()
         if short > 0:
             self._evict(short)
-        self.allocator.allocate(owner, num_tokens)
+        while not self.allocator.can_allocate(owner, num_tokens, **kw):
+            if not self.tree.evictable_tokens:
+                raise OutOfMemory(f"no block room for {num_tokens} tokens of {owner!r}")
+            self._evict(1)  # evicts at least one whole leaf
+        self.allocator.allocate(owner, num_tokens, **kw)
+
+    def forget(self, owner: Hashable) -> None:
+        """A request left: drop its class registration (allocators that keep one)."""
+        fn = getattr(self.allocator, "forget", None)
+        if fn is not None:
+            fn(owner)
 
     def _evict(self, num_tokens: int) -> None:
         blocks = self.tree.evict(num_tokens)

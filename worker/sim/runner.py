@@ -63,7 +63,8 @@ def make_sim_worker(
     capacity = kv_tokens if kv_tokens is not None else cost_model.kv_capacity_tokens()
     kv = PrefixKVCache(make_allocator(allocator, capacity, **(allocator_opts or {})))
     engine = SimEngine(cost_model, token_range=token_range, text=text, eos_token_id=eos_token_id)
-    return Scheduler(policy=policy, kv=kv, config=config), engine
+    scheduler = Scheduler(policy=policy, kv=kv, config=config, cost=cost_model.step_time)
+    return scheduler, engine
 
 
 def simulate(

@@ -1,0 +1,277 @@
+"""BROS — real-time / best-effort co-serving (BROS paper Alg. 1; SPEC §5).
+
+A batch-selecting policy (seam #1b, ``select_batch``): every iteration it picks the running
+set from waiting + running requests, given the iteration cost model ``cost`` (the same
+object the simulator charges, ``T_iter = cost(prefill_chunks=..., decode_context_lens=...)``).
+
+* **RT packing** (l.3–15): RT requests (waiting and pending together) sorted by remaining
+  time to their next token's deadline (Eq. 6, *our reading*)::
+
+      remaining = SLO·n − (now − t_last) − (n − 1)·T̄      # SLO = TTFT for token 1, else TPOT
+
+  ``residual`` = the smallest remaining time; RT requests are added in that order while the
+  batch has fewer than ``B`` requests and ``T_iter(batch) <= residual``.
+* **Early return** (l.11–12): when the next RT would make ``T_iter > residual`` the batch is
+  returned as it is (no BE phase) and ``B = B0``. The most urgent RT request is always
+  scheduled. *Our reading:* RT requests that cannot meet their deadline even alone
+  (``remaining`` below one bare iteration) are scheduled first and do not set ``residual``
+  — otherwise one late request would cap every later batch at one request.
+* **BE phase** (l.17–33): BE requests sorted by checkpointed slots, fewest first (with an
+  ``inner`` fairness policy, the least-served client first: VTC counter / DLPM deficit);
+  each is added while the batch is not full, else it replaces the least-urgent scheduled RT
+  that still has slack beyond the next iteration; always keeping ``T_iter <= residual``.
+* **Adaptive B** (TCP-like): no early return → ``B += b_step`` up to the scheduler's
+  ``max_running_requests``; early return → ``B = b0``.
+
+Swap-in time of checkpointed blocks (overlapped, ``max``'ed into ``T_iter``) is not in the
+cost callable yet; the order by checkpointed slots is.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sgl_fair.policies.base import BasePolicy, Rejection, SchedulerView, make_policy, register
+from sgl_fair.request import Phase, Request, ServiceClass
+
+INNER_POLICIES = ("none", "vtc", "dlpm")
+
+
+@register("bros")
+class BROS(BasePolicy):
+    @dataclass(frozen=True)
+    class Config:
+        b0: int = 8
+        b_step: int = 1
+        group_size: int = 1  # Eq. 6's token group; 1 = per-token deadlines
+        ema: float = 0.2  # weight of the newest iteration in T̄
+        inner: str = "none"  # fairness among BE clients: none | vtc | dlpm
+        inner_options: Mapping[str, Any] = field(default_factory=dict)
+
+        def __post_init__(self) -> None:
+            if self.b0 < 1 or self.b_step < 0 or self.group_size < 1:
+                raise ValueError("bros: need b0 >= 1, b_step >= 0, group_size >= 1")
+            if not 0 < self.ema <= 1:
+                raise ValueError(f"bros: ema must be in (0, 1] (got {self.ema})")
+            if self.inner not in INNER_POLICIES:
+                raise ValueError(
+                    f"bros: inner must be one of {', '.join(INNER_POLICIES)} (got {self.inner!r})"
+                )
+
+    def __init__(self, config: Config | None = None) -> None:
+        super().__init__(config)
+        cfg = self.config
+        self.batch_limit = cfg.b0  # B
+        self.num_early_returns = 0
+        self.t_bar_s = 0.0  # moving-average iteration time T̄
+        self.inner = None if cfg.inner == "none" else make_policy(cfg.inner, **cfg.inner_options)
+        self._t_last: dict[int, float] = {}  # id(req) -> time of its last token
+        self._fresh: list[Request] = []  # got tokens in the last step: t_last = next now
+
+    # ---------------------------------------------------------------- events
+
+    def _to_inner(self, req: Request) -> bool:
+        return self.inner is not None and req.service_class is ServiceClass.BE
+
+    def on_arrival(self, req: Request, now: float) -> Rejection | None:
+        super().on_arrival(req, now)
+        return self.inner.on_arrival(req, now) if self._to_inner(req) else None
+
+    def on_admitted(self, req: Request, extend_len: int) -> None:
+        super().on_admitted(req, extend_len)
+        if self._to_inner(req):
+            self.inner.on_admitted(req, extend_len)
+
+    def on_tokens(self, req: Request, n: int) -> None:
+        self._fresh.append(req)
+        if self._to_inner(req):
+            self.inner.on_tokens(req, n)
+
+    def on_finished(self, req: Request) -> None:
+        self._t_last.pop(id(req), None)
+        if self._to_inner(req):
+            self.inner.on_finished(req)
+
+    def on_retracted(self, req: Request) -> None:
+        super().on_retracted(req)
+        if self._to_inner(req):
+            self.inner.on_retracted(req)
+
+    def on_aborted(self, req: Request, waiting: bool) -> None:
+        if waiting:
+            self.active.dequeue(req.client)
+        self._t_last.pop(id(req), None)
+        if self._to_inner(req):
+            self.inner.on_aborted(req, waiting)
+
+    def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
+        return iter(waiting)  # unused: the scheduler calls select_batch instead
+
+    def victim(self, pool: Sequence[Request]) -> Request:
+        """Retract BE first, then the RT with the most slack; fewest tokens lost within."""
+        return max(pool, key=lambda r: (r.service_class is ServiceClass.BE, -r.num_output))
+
+    # ---------------------------------------------------------------- deadlines
+
+    def remaining_s(self, req: Request, now: float) -> float:
+        """Eq. 6 (our reading): time left until ``req``'s next token-group deadline."""
+        t_last = self._t_last.get(id(req), req.arrival_s)
+        if not req.output_ids:
+            return req.ttft_slo_s - (now - t_last)
+        g = self.config.group_size
+        n = g - (len(req.output_ids) - 1) % g  # tokens left in the current group
+        return req.tpot_slo_s * n - (now - t_last) - (n - 1) * self.t_bar_s
+
+    # ---------------------------------------------------------------- selection
+
+    def select_batch(
+        self,
+        candidates: Sequence[Request],
+        view: SchedulerView,
+        cost: Callable[..., float] | None,
+    ) -> list[Request]:
+        now = view.now
+        if cost is None:  # a scheduler built without a cost model: only B limits the batch
+            cost = _free_iteration
+        for req in self._fresh:
+            self._t_last[id(req)] = now
+        self._fresh.clear()
+        if not candidates:
+            return []
+        batch = _Batch(cost, view)
+        rt, be = [], []
+        for r in candidates:
+            (rt if r.service_class is ServiceClass.RT else be).append(r)
+        limit = self.batch_limit
+        # Only the `limit` most urgent RT requests can enter the batch: a partial sort.
+        urgent = heapq.nsmallest(limit, [(self.remaining_s(r, now), r.seq, r) for r in rt])
+        rem = {id(r): left for left, _, r in urgent}
+        floor_s = cost(decode_context_lens=(1,))  # one bare iteration
+        residual = math.inf
+        early = False
+        for _, _, r in urgent:
+            if len(batch) >= limit:
+                break
+            doomed = rem[id(r)] < floor_s
+            if not batch or doomed:
+                batch.add(r)
+                if not doomed:
+                    residual = min(residual, rem[id(r)])
+                continue
+            cap = min(residual, rem[id(r)])
+            if batch.time_with(r) > cap:
+                early = True  # l.11–12: return the batch as it is
+                break
+            batch.add(r)
+            residual = cap
+        if not early:
+            self._be_phase(batch, be, rem, residual, limit)
+        chosen = batch.requests()
+        self._adapt(early, view)
+        t_iter = batch.time()
+        self.t_bar_s += self.config.ema * (t_iter - self.t_bar_s)
+        return chosen
+
+    def _be_phase(self, batch: _Batch, be: list[Request], rem, residual: float, limit: int):
+        if not be:
+            return
+        view = batch.view
+        checkpointed = getattr(view, "checkpointed_slots", None)
+        slots = {id(r): checkpointed(r) if checkpointed else 0 for r in be}
+        served = self._served_key()
+        be.sort(key=lambda r: (served(r.client), slots[id(r)], r.arrival_s, r.seq))
+        # Scheduled RT that could skip this iteration and still meet the next deadline.
+        swappable = [r for r in batch.items if r.service_class is ServiceClass.RT]
+        for b in be:
+            if len(batch) < limit:
+                if batch.time_with(b) <= residual:
+                    batch.add(b)
+                continue
+            while swappable:
+                victim = swappable[-1]  # least urgent (sorted ascending by remaining)
+                if rem[id(victim)] <= batch.time() + self.t_bar_s:
+                    return  # no RT left with slack beyond the next iteration
+                if batch.time_with(b, without=victim) > residual:
+                    break
+                swappable.pop()
+                batch.remove(victim)
+                batch.add(b)
+                break
+            else:
+                return
+
+    def _served_key(self) -> Callable[[str], float]:
+        inner = self.inner
+        if inner is None:
+            return lambda client: 0.0
+        if hasattr(inner, "counter"):
+            return inner.counter  # VTC: least counter = least served
+        return lambda client: -inner.deficit(client)  # DLPM: most deficit left
+
+    def _adapt(self, early: bool, view: SchedulerView) -> None:
+        cfg = self.config
+        if early:
+            self.batch_limit = cfg.b0
+            self.num_early_returns += 1
+        else:
+            top = getattr(getattr(view, "config", None), "max_running_requests", 1 << 30)
+            self.batch_limit = min(self.batch_limit + cfg.b_step, max(top, cfg.b0))
+
+
+def _free_iteration(*, prefill_chunks=(), decode_context_lens=()) -> float:
+    return 0.0
+
+
+class _Batch:
+    """The batch under construction and its ``T_iter`` (cost callable, re-evaluated on demand)."""
+
+    def __init__(self, cost: Callable[..., float], view: SchedulerView) -> None:
+        self.cost = cost
+        self.view = view
+        self.items: list[Request] = []
+        self._chunks: dict[int, tuple[int, int]] = {}  # id(req) -> prefill chunk
+        self._decodes: dict[int, int] = {}  # id(req) -> context length
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _work(self, req: Request) -> tuple[tuple[int, int] | None, int | None]:
+        if req.phase is Phase.RUNNING:
+            return None, req.seq_len
+        cached = min(self.view.prefix_len(req), req.seq_len - 1)
+        return (req.seq_len - cached, cached), None
+
+    def add(self, req: Request) -> None:
+        chunk, ctx = self._work(req)
+        self.items.append(req)
+        if chunk is not None:
+            self._chunks[id(req)] = chunk
+        else:
+            self._decodes[id(req)] = ctx
+
+    def remove(self, req: Request) -> None:
+        self.items.remove(req)
+        self._chunks.pop(id(req), None)
+        self._decodes.pop(id(req), None)
+
+    def time(self, extra: Request | None = None, without: Request | None = None) -> float:
+        gone = -1 if without is None else id(without)
+        chunks = [v for k, v in self._chunks.items() if k != gone]
+        decodes = [v for k, v in self._decodes.items() if k != gone]
+        if extra is not None:
+            chunk, ctx = self._work(extra)
+            if chunk is not None:
+                chunks.append(chunk)
+            else:
+                decodes.append(ctx)
+        return self.cost(prefill_chunks=chunks, decode_context_lens=decodes)
+
+    def time_with(self, req: Request, without: Request | None = None) -> float:
+        return self.time(extra=req, without=without)
+
+    def requests(self) -> list[Request]:
+        return list(self.items)

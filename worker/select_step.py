@@ -1,0 +1,151 @@
+"""Batch selection (seam #1b): one scheduler iteration whose running set the policy chose.
+
+``Scheduler.step`` calls :func:`step_selected` when its policy defines ``select_batch``
+(see ``sgl_fair.policies.base``). It reuses the scheduler's own admission walk, retraction
+and chunked-prefill continuation, so memory and budget rules are those of the default path:
+
+1. ``chosen = policy.select_batch(waiting + running, scheduler, cost)``;
+2. chosen running requests decode: checkpointed KV (bidirectional blocks) is restored first,
+   memory is made by retracting *unchosen* (paused) requests first; one that still cannot
+   grow sits the iteration out;
+3. ``scheduler.chunked`` continues; chosen waiting requests are admitted in the chosen order
+   (room for the first is made by retracting paused requests);
+4. one mixed ``Batch`` (prefill chunks + decodes); unchosen running requests keep their KV.
+
+Functions, not methods, to keep ``scheduler.py`` small; they are the scheduler's own code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from sgl_fair.request import Phase, Request
+from sgl_fair.worker.engine import Batch, PrefillChunk
+
+if TYPE_CHECKING:
+    from sgl_fair.worker.scheduler import Scheduler
+
+
+def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
+    """One iteration whose running set the policy chose (module docstring, seam #1b)."""
+    candidates = (*sched.waiting, *sched.running)
+    chosen = select(candidates, sched, sched.cost) if candidates else ()
+    decode = [r for r in chosen if r.phase is Phase.RUNNING]
+    admit = [r for r in chosen if r.phase is Phase.WAITING]
+    if not decode and not admit and sched.chunked is None:
+        decode = list(sched.running)  # the policy chose nothing runnable: keep decoding
+    decode, swap_in = _grow(sched, _decode_memory(sched, decode))
+    cfg = sched.config
+    budget, chunks, promised = cfg.chunked_prefill_size, [], 0
+    if sched.chunked is not None:
+        chunk = sched._continue_chunked(budget)
+        if chunk is not None:
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+            if chunk.last:
+                promised += min(chunk.req.remaining_new_tokens, cfg.clip_max_new_tokens) - 1
+    if admit and sched.chunked is None and budget > 0:
+        _make_room(sched, admit[0], decode, promised)
+        num_active = len(sched.running) + len(chunks)
+        chunks.extend(sched._admit(budget, num_active, promised, iter(admit)))
+    sched._admission_blocked = False
+    if swap_in is not None:  # this step's RT growth may have overwritten chosen BE slots
+        decode, more = _restore_checkpointed(sched, decode, chunks, allocated=True)
+        swap_in += more
+    while not chunks and not decode and sched.running:  # no progress: retract until some
+        decode, more = _grow(sched, _decode_memory(sched, list(sched.running)))
+        swap_in = None if swap_in is None else swap_in + (more or 0)
+        if decode or len(sched.running) <= 1:
+            break
+        victim_fn = getattr(sched.policy, "victim", None)
+        pool = sched.running
+        sched._retract(victim_fn(pool) if victim_fn else sched._default_victim(pool))
+    if not chunks and not decode:
+        return None
+    sched._in_batch = tuple(c.req for c in chunks)
+    if chunks:
+        sched.stats.num_prefill_steps += 1
+        sched.stats.num_prefill_tokens += sum(c.num_tokens for c in chunks)
+    if decode:
+        sched.stats.num_decode_steps += 1
+    return Batch(prefill=tuple(chunks), decode=tuple(decode), swap_in_tokens=swap_in or 0)
+
+
+def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int | None]:
+    """Restore and allocate each chosen decode's next slot; one that cannot sits out."""
+    decode, swap_in = _restore_checkpointed(sched, decode)
+    ready: list[Request] = []
+    victim_fn = getattr(sched.policy, "victim", None)
+    for req in decode:
+        if sched.checkpointed_slots(req) or req.phase is not Phase.RUNNING:
+            continue
+        # Blocks, not tokens, may be short: retract paused requests (BE first) for room.
+        while not sched.kv.can_allocate(req, 1):
+            paused = [r for r in sched.running if r not in decode]
+            if not paused:
+                break
+            sched._retract(victim_fn(paused) if victim_fn else sched._default_victim(paused))
+        if sched.kv.can_allocate(req, 1):
+            sched.kv.allocate(req, 1)
+            ready.append(req)
+    return ready, swap_in
+
+
+def _restore_checkpointed(
+    sched: Scheduler,
+    decode: list[Request],
+    chunks: Sequence[PrefillChunk] = (),
+    *,
+    allocated: bool = False,
+) -> tuple[list[Request], int | None]:
+    """Swap checkpointed KV back (bidirectional blocks) before a request runs again.
+
+    Before allocation a decode whose restore does not fit sits this iteration out; after
+    it (``allocated``) one that this step's RT growth overwrote and that cannot come
+    back is retracted. ``None``: the allocator never checkpoints."""
+    plan = getattr(sched.kv.allocator, "restore_plan", None)
+    if plan is None:
+        return decode, None
+    ready, swap_in = [], 0
+    for req in (*decode, *(c.req for c in chunks)):
+        if sched.checkpointed_slots(req):
+            if plan(req) is None:
+                if not allocated:
+                    continue
+                if req in decode:
+                    sched._retract(req)
+                    continue
+                raise MemoryError(f"cannot restore {req} admitted this step")
+            swap_in += sum(op.num_tokens for op in sched.kv.allocator.restore(req))
+        if req in decode:
+            ready.append(req)
+    return ready, swap_in
+
+
+def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
+    """Retract (paused requests first) until every chosen decode can grow by one token."""
+    victim_fn = getattr(sched.policy, "victim", None)
+    while sched.kv.available_tokens() < len(decode) and len(sched.running) > 1:
+        paused = [r for r in sched.running if r not in decode]
+        pool = paused or sched.running
+        victim = victim_fn(pool) if victim_fn else sched._default_victim(pool)
+        sched._retract(victim)
+        if victim in decode:
+            decode.remove(victim)
+    if sched.kv.available_tokens() < len(decode):
+        raise MemoryError("KV pool too small for a single running request")
+    return decode
+
+
+def _make_room(sched: Scheduler, req: Request, decode: list[Request], promised: int) -> None:
+    """Retract paused (unchosen) running requests until the policy's first pick fits."""
+    clip = sched.config.clip_max_new_tokens
+    need = req.seq_len - min(sched.prefix_len(req), req.seq_len - 1)
+    need += min(req.remaining_new_tokens, clip)
+    victim_fn = getattr(sched.policy, "victim", None)
+    while need > sched.kv.available_tokens() - sched._reserved_tokens() - promised:
+        paused = [r for r in sched.running if r not in decode]
+        if not paused:
+            return
+        sched._retract(victim_fn(paused) if victim_fn else sched._default_victim(paused))
