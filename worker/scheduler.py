@@ -98,6 +98,11 @@ class SchedulerStats:
 
 
 class Scheduler:
+    def kv_usage(self) -> float:
+        """Share of the KV pool that is neither free nor evictable, in [0, 1]."""
+        capacity = self.kv.capacity_tokens
+        return 1.0 - self.kv.available_tokens() / capacity if capacity else 0.0
+
     def __init__(
         self,
         *,
@@ -110,6 +115,11 @@ class Scheduler:
         self.policy = policy
         self.cost = cost  # the iteration cost model, for batch-selecting policies
         self.kv = kv
+        # Optional seam: a policy that throttles only under overload (FairServe's OIT) reads
+        # the worker's KV usage through this probe.
+        attach_load = getattr(policy, "attach_load", None)
+        if attach_load is not None:
+            attach_load(self.kv_usage)
         self.config = config or SchedulerConfig()
         self.log = log if log is not None else RunLog()
         self.stats = SchedulerStats()

@@ -359,3 +359,21 @@ def test_oit_derives_user_limits_per_app_from_history() -> None:
     assert p.windows.user_count("abuser", "chat", d.view.now) > limit
     assert p.windows.over_limit("abuser", "chat", d.view.now) is not None
     assert p.windows.over_limit("b1", "chat", d.view.now) is None
+
+
+def test_the_worker_gives_oit_its_kv_usage():
+    """The scheduler hands a policy with ``attach_load`` its KV usage, live and in the sim."""
+    from sgl_fair.worker.sim.cost_model import CostModel
+    from sgl_fair.worker.sim.runner import make_sim_worker
+
+    sched, _ = make_sim_worker(
+        policy=make_policy("fairserve"),
+        cost_model=CostModel.from_names("H100", "Llama-3.1-8B"),
+        kv_tokens=4_000,
+    )
+    probe = sched.policy._load
+    assert probe is not None and probe() == 0.0
+    req = Request("r", "u", tuple(range(1_000)), output_len=8, arrival_s=0.0)
+    sched.add_request(req, 0.0)
+    sched.step(0.0)
+    assert 0.2 <= probe() <= 0.3  # 1,000 prompt tokens + reservation of a 4,000-token pool
