@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -105,7 +104,6 @@ class AdmissionMiddleware:
         self.on_reject = on_reject
         self.num_active = 0  # generation requests being served (body read .. response sent)
         self.num_rejected = 0
-        self.max_pass_s = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
@@ -173,25 +171,3 @@ async def _reject(send: Send, num_active: int) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-class LoopLagProbe:
-    """Measures how late the loop runs a periodic callback: the longest pass since start."""
-
-    def __init__(self, period_s: float = 0.05) -> None:
-        self.period_s = period_s
-        self.max_lag_s = 0.0
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag")
-
-    async def _run(self) -> None:
-        while True:
-            t0 = time.perf_counter()
-            await asyncio.sleep(self.period_s)
-            self.max_lag_s = max(self.max_lag_s, time.perf_counter() - t0 - self.period_s)
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()

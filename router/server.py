@@ -39,7 +39,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 
 from sgl_fair.router import protocol as P
-from sgl_fair.router.admission import AdmissionMiddleware, LoopLagProbe
+from sgl_fair.router.admission import AdmissionMiddleware
 from sgl_fair.router.guard import AdminGuard
 from sgl_fair.router.http_io import error_response
 from sgl_fair.router.routes_info import info_routes
@@ -92,17 +92,13 @@ def build_app(
     ``on_startup`` / ``on_shutdown`` run around serving, and admission in front of it all
     (``admission.py``: the bounded queue and the bounded work per loop pass)."""
 
-    lag = LoopLagProbe()
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        lag.start()
         if on_startup is not None:
             await on_startup()
         try:
             yield
         finally:
-            lag.stop()
             if on_shutdown is not None:
                 await on_shutdown()
 
@@ -122,7 +118,7 @@ def build_app(
         max_body_bytes=state.cfg.max_body_bytes,
         on_reject=state.telemetry.queue_full,
     )
-    state.telemetry.track_admission(admission, lag)
+    state.telemetry.track_admission(admission)
     return AdminGuard(
         admission,
         admin_key=state.cfg.admin_key,

@@ -103,9 +103,10 @@ class Telemetry:
             "Generation requests being served (admitted, not answered)",
             registry=r,
         )
+        self._max_lag_s = 0.0
         self.loop_lag_max_s = Gauge(
             p + "router_loop_lag_max_seconds",
-            "The longest the router's event loop was late to a 50 ms timer since start",
+            "The longest the router's event loop was late to its watchdog since start",
             registry=r,
         )
         self.loop_lag_s = Gauge(
@@ -163,16 +164,20 @@ class Telemetry:
     def queue_full(self) -> None:
         self.queue_full_total.inc()
 
-    def track_admission(self, admission: Any, lag: Any) -> None:
-        """Export the admission middleware's queue and the event loop's worst pass."""
+    def track_admission(self, admission: Any) -> None:
+        """Export the admission middleware's queue."""
         self.queued.set_function(lambda: admission.num_active)
-        self.loop_lag_max_s.set_function(lambda: lag.max_lag_s)
 
     def worker_restarted(self, worker: int) -> None:
         self.restarts.labels(str(worker)).inc()
 
     def loop_lag(self, late_s: float) -> None:
-        self.loop_lag_s.set(max(0.0, late_s))
+        """How late the router's watchdog ran (``RouterService.watch_tick``): the last pass and
+        the worst since start."""
+        late_s = max(0.0, late_s)
+        self.loop_lag_s.set(late_s)
+        self._max_lag_s = max(self._max_lag_s, late_s)
+        self.loop_lag_max_s.set(self._max_lag_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
