@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_cluster_quality  # noqa: E402
+import bench_flood  # noqa: E402
 import bench_live  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
@@ -41,6 +42,7 @@ def main() -> None:
         "router": bench_router.main(),
         "cluster_quality": bench_cluster_quality.main([]),
         "live": bench_live.main(),
+        "flood": bench_flood.main([]),
         "sglang_adapter": bench_sglang_adapter.main(),
     }
     out = Path("runs") / "bench.json"
