@@ -82,12 +82,19 @@ class Generation:
     """One prompt through the router: stop conditions, detokenization, the final record."""
 
     def __init__(
-        self, state: ServerState, item: Any, ids: list[int], max_new: int, who: Identity
+        self,
+        state: ServerState,
+        item: Any,
+        ids: list[int],
+        max_new: int,
+        who: Identity,
+        sched: P.Scheduling | None = None,
     ) -> None:
         self.state = state
         self.item = item
         self.ids = ids
         self.who = who
+        self.sched = sched if sched is not None else P.Scheduling()
         sp = item.sampling
         self.max_new = max_new  # clipped to the context
         self.stop = [s for s in (sp.stop or []) if s]
@@ -122,8 +129,15 @@ class Generation:
             top_logprobs_num=item.top_logprobs_num or 0,
             sampling=engine_sampling(item.sampling),
             extra=item.extra,
+            service_class=self.sched.service_class,
+            ttft_slo_s=self.sched.ttft_slo_s,
+            tpot_slo_s=self.sched.tpot_slo_s,
+            interaction_id=self.sched.interaction_id,
+            app=self.sched.app,
+            stage=self.sched.stage,
         )
         self.call = self.state.service.submit(req, self.who.client)
+        self.state.telemetry.submitted(self.who.client, self.sched.priority_class)
         self.submitted.set()
 
     async def start_after_lead(self) -> None:
@@ -285,6 +299,13 @@ class Generation:
             fin = call.finished if call is not None else None
             if fin is not None and fin.reason is FinishReason.REJECTED:
                 if fin.retry_after_s is not None:  # admission control: try again later
+                    throttle = P.parse_throttle(fin.error)
+                    if throttle is not None:  # FairServe's OIT: say which limit
+                        return P.ProtocolError(
+                            429, f"request throttled: {fin.error}", None,
+                            retry_after_s=fin.retry_after_s,
+                            details={"throttle": throttle.to_dict()},
+                        )  # fmt: skip
                     return P.ProtocolError(
                         429, f"request refused by the scheduler: {fin.error}", None,
                         retry_after_s=fin.retry_after_s,
@@ -369,6 +390,7 @@ def prepare(
     """Identify, tokenize, admit and submit: one started :class:`Generation` per prompt and
     sample (``n`` > 1 gives ``n`` per prompt, in order; the tenant is admitted for all)."""
     who = state.identify(request, user, items[0].routing_key)
+    sched = state.scheduling(request, items[0].hints, who)
     total = sum(it.sampling.n for it in items)
     if total > state.limits.max_batch:
         raise P.ProtocolError(
@@ -380,13 +402,60 @@ def prepare(
         ids, max_new = state.tokenize(it, param, who, chat=chat)
         lead = None
         for sample in expand_samples([it]):
-            g = Generation(state, sample, ids, max_new, who)
+            g = Generation(state, sample, ids, max_new, who, sched)
             g.lead = lead
             lead = lead or g
             gens.append(g)
     state.admit(who, len(gens))
     start_all(state, gens, who)
     return who, gens
+
+
+async def first_events(
+    state: ServerState, request: HTTPRequest, gens: list[Generation], who: Identity
+) -> None:
+    """A streaming response, before its status line: wait until every submitted generation
+    has its first token or has ended, so one refused before any token (a FairServe throttle,
+    a rejection, no worker) is answered with its HTTP status (429, 400, 503), not a 200
+    stream carrying an error. Raises that error (the request's generations aborted and its
+    in-flight count given back), or 499 when the client went away meanwhile."""
+
+    async def first(g: Generation) -> None:
+        await g.submitted.wait()
+        if g.call is not None:
+            await g.call.updated.wait()  # set by the first Tokens or by the end; not cleared
+
+    leads = [g for g in gens if g.lead is None]
+    task = asyncio.gather(*(first(g) for g in leads))
+    gone = False
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                task.result()
+                break
+            if await request.is_disconnected():
+                gone = True
+                task.cancel()
+                break
+    except BaseException:
+        task.cancel()
+        _give_up(state, gens, who, "client disconnected")
+        raise
+    if gone:
+        _give_up(state, gens, who, "client disconnected")
+        raise P.ProtocolError(499, "the client disconnected before the first token", None)
+    for g in leads:
+        err = g.failed
+        if err is not None and not (g.call is not None and g.call.tokens):
+            _give_up(state, gens, who, "a generation of the request failed")
+            raise err
+
+
+def _give_up(state: ServerState, gens: list[Generation], who: Identity, why: str) -> None:
+    for g in gens:
+        g.abort(why)
+    done_all(state, gens, who)
 
 
 def check_failed(gens: list[Generation]) -> None:

@@ -53,21 +53,36 @@ class AdminGuard:
 
     def refusal(self, scope: Scope) -> P.ProtocolError | None:
         """None when the caller may go on, else the error to answer."""
-        client = scope.get("client")
-        if self.allow_loopback and client and client[0] in LOOPBACK:
-            return None
-        key = _bearer(scope)
-        if key is None:
-            return P.ProtocolError(
-                401, f"{scope['path']} is for operators: send Authorization: Bearer <admin key>",
-                None,
-            )  # fmt: skip
-        if self.admin_key is not None and hmac.compare_digest(key, self.admin_key):
-            return None
-        tenant = self.tenants.by_key(key) if self.tenants is not None else None
-        if tenant is not None and tenant.admin:
-            return None
-        return P.ProtocolError(403, f"{scope['path']} needs an admin key", None)
+        return admin_refusal(
+            scope, scope["path"], admin_key=self.admin_key, tenants=self.tenants,
+            allow_loopback=self.allow_loopback,
+        )  # fmt: skip
+
+
+def admin_refusal(
+    scope: Scope,
+    what: str,
+    *,
+    admin_key: str | None,
+    tenants: TenantTable | None,
+    allow_loopback: bool,
+) -> P.ProtocolError | None:
+    """The guard's rule for one request (also ``abort_all`` without tenant keys): None when
+    the caller is an operator, else the 401/403 to answer, naming ``what``."""
+    client = scope.get("client")
+    if allow_loopback and client and client[0] in LOOPBACK:
+        return None
+    key = _bearer(scope)
+    if key is None:
+        return P.ProtocolError(
+            401, f"{what} is for operators: send Authorization: Bearer <admin key>", None
+        )
+    if admin_key is not None and hmac.compare_digest(key, admin_key):
+        return None
+    tenant = tenants.by_key(key) if tenants is not None else None
+    if tenant is not None and tenant.admin:
+        return None
+    return P.ProtocolError(403, f"{what} needs an admin key", None)
 
 
 def _bearer(scope: Scope) -> str | None:

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from sgl_fair.router import protocol as P
 from sgl_fair.router.generation import Generation, run_to_end
+from sgl_fair.router.guard import admin_refusal
 from sgl_fair.router.http_io import JSON, error_response, read_json_body
 from sgl_fair.router.service import NoWorkerError
 from sgl_fair.router.state import Identity, ServerState
@@ -222,6 +223,15 @@ def info_routes(state: ServerState) -> list[Route]:
             raise P.ProtocolError(400, "give a rid or abort_all = true", "rid")
         who = state.identify(request, None, None)
         keyed = state.tenants is not None and state.tenants.requires_auth
+        if abort_all and not keyed:
+            # Without tenant keys nobody owns a request: aborting everyone's is for operators
+            # (--admin-key, or loopback unless --admin-loopback off), like /flush_cache.
+            refusal = admin_refusal(
+                request.scope, "abort_all", admin_key=state.cfg.admin_key,
+                tenants=state.tenants, allow_loopback=state.cfg.admin_loopback,
+            )  # fmt: skip
+            if refusal is not None:
+                raise refusal
         admin = bool(getattr(who.tenant, "admin", False))
         n = 0
         for call in list(svc.calls.values()):

@@ -20,6 +20,7 @@ from sgl_fair.router import protocol as P
 from sgl_fair.router.generation import (
     Generation,
     done_all,
+    first_events,
     merged_updates,
     prepare,
     until_done,
@@ -39,6 +40,7 @@ def openai_routes(state: ServerState) -> list[Route]:
         created = int(time.time())
         cid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
+            await first_events(state, request, gens, who)  # refused before a token: its status
             return openai_stream(request, gens, who, req, cid, created, chat=False)
         await until_done(state, request, gens, who)
         return JSON(
@@ -57,6 +59,7 @@ def openai_routes(state: ServerState) -> list[Route]:
         created = int(time.time())
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
+            await first_events(state, request, gens, who)  # refused before a token: its status
             return openai_stream(request, gens, who, req, cid, created, chat=True)
         await until_done(state, request, gens, who)
         return JSON(

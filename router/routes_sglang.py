@@ -14,6 +14,7 @@ from sgl_fair.router import protocol as P
 from sgl_fair.router.generation import (
     Generation,
     done_all,
+    first_events,
     merged_updates,
     prepare,
     until_done,
@@ -32,6 +33,7 @@ def sglang_routes(state: ServerState) -> list[Route]:
         )
         if g.item.return_prompt_token_ids:
             out["prompt_token_ids"] = list(g.ids)
+        out["meta_info"]["priority_class"] = g.sched.priority_class  # the class sent to the worker
         if index is not None:
             out["index"] = index
         return out
@@ -42,6 +44,7 @@ def sglang_routes(state: ServerState) -> list[Route]:
         param = "input_ids" if req.items[0].input_ids is not None else "text"
         who, gens = prepare(state, request, req.items, param, None)
         if req.stream:
+            await first_events(state, request, gens, who)  # refused before a token: its status
             return StreamingResponse(
                 stream_generate(request, gens, who), media_type="text/event-stream"
             )

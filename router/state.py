@@ -147,6 +147,25 @@ class ServerState:
             raise P.ProtocolError(400, str(e), None) from None
         return Identity(client, tenant)
 
+    def scheduling(self, request: HTTPRequest, hints: Any, who: Identity) -> P.Scheduling:
+        """The request's service class, SLOs and interaction (``protocol.scheduling``): its
+        body's fields, else its headers, else SGLang's ``priority`` (with
+        ``--rt-priority-threshold``), else the tenant's default class. With API keys the
+        interaction id is namespaced by the tenant. A bad header is a 400 naming it."""
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        tenant = who.tenant
+        if tenant is None and self.tenants is not None:
+            tenant = self.tenants.effective(who.client)  # unlisted: the [defaults]
+        keyed = self.tenants is not None and self.tenants.requires_auth
+        return P.resolve_scheduling(
+            hints if hints is not None else P.Hints(),
+            headers,
+            tenant_class=getattr(tenant, "priority_class", None),
+            namespace=who.client if keyed else None,
+            rt_priority_threshold=getattr(self.cfg, "rt_priority_threshold", None),
+            low_priority_values_first=getattr(self.cfg, "low_priority_values_first", False),
+        )
+
     def admit(self, who: Identity, n: int) -> None:
         """Tenant limits: requests per minute and requests in flight (HTTP 429)."""
         t = who.tenant

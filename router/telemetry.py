@@ -2,7 +2,8 @@
 
 Per tenant: requests by outcome, input / cached / output tokens, service (the fairness
 currency: extend tokens + ``output_weight`` × output tokens, as the schedulers count it),
-rejections by reason, TTFT and end-to-end latency histograms. Per worker: the router's
+rejections by reason, TTFT and end-to-end latency histograms, requests by service class
+(RT / BE) and FairServe throttles by app and limit. Per worker: the router's
 queue length and the worker's own gauges from its ``Load`` reports, and whether it is alive.
 One registry per server, so tests can run several in one process.
 """
@@ -21,6 +22,8 @@ from prometheus_client import (
 )
 
 from sgl_fair.messages import Load
+
+MAX_APP_LABELS = 64  # distinct `app` label values of the throttling counter
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0,
@@ -57,6 +60,21 @@ class Telemetry:
         self.rejections = Counter(
             p + "tenant_rejections", "Requests refused", ["tenant", "reason"], registry=r
         )
+        self.by_class = Counter(
+            p + "requests_by_class",
+            "Requests submitted to a worker, by tenant and service class (rt: real-time, "
+            "be: best-effort)",
+            ["tenant", "priority_class"],
+            registry=r,
+        )
+        self.throttled_total = Counter(
+            p + "requests_throttled",
+            "Requests throttled by FairServe's OIT (HTTP 429), by tenant, app and the limit "
+            "they were over (user or app)",
+            ["tenant", "app", "limit"],
+            registry=r,
+        )
+        self._apps: set[str] = set()
         self.ttft = Histogram(
             p + "ttft_seconds", "Time to first token", ["tenant"], buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -143,6 +161,20 @@ class Telemetry:
         self._cached += cached
         if self._prompt:
             self.cache_hit_rate.set(self._cached / self._prompt)
+
+    def submitted(self, tenant: str, priority_class: str) -> None:
+        self.by_class.labels(tenant, priority_class).inc()
+
+    def throttled(self, tenant: str, app: str | None, limit: str) -> None:
+        """A throttled request. ``app`` comes from clients: past ``MAX_APP_LABELS``
+        distinct apps the rest are counted as ``"other"`` (bounded label cardinality)."""
+        app = app or ""
+        if app not in self._apps:
+            if len(self._apps) >= MAX_APP_LABELS:
+                app = "other"
+            else:
+                self._apps.add(app)
+        self.throttled_total.labels(tenant, app, limit).inc()
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()

@@ -13,6 +13,7 @@ The tenants file is TOML::
     max_input_tokens = 8192  # optional int >= 1: per-request prompt cap
     rpm = 600                # optional > 0: requests per minute (token bucket) -> 429
     burst = 100              # optional >= 1: the bucket's size (default: rpm)
+    priority_class = "rt"    # optional "rt" | "be": the class of requests that give none
     admin = true             # optional: may call the admin endpoints (flush cache, abort any)
 
 Identity decides fairness, so it must not be forgeable: when any tenant has API keys,
@@ -43,7 +44,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10: no TOML in the standard library
     tomllib = None  # type: ignore[assignment]
 
-from sgl_fair.request import DEFAULT_CLIENT
+from sgl_fair.request import DEFAULT_CLIENT, ServiceClass
+
+PRIORITY_CLASSES = tuple(c.value for c in ServiceClass)
 
 __all__ = [
     "AuthError",
@@ -114,6 +117,7 @@ class TenantDefaults:
     max_input_tokens: int | None = None
     rpm: float | None = None
     burst: float | None = None
+    priority_class: str | None = None  # "rt" | "be"; None: BE
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,9 @@ class Tenant:
     rpm: float | None = None
     burst: float | None = None
     admin: bool = False
+    # The service class (BROS's "rt" / "be") of this tenant's requests that do not name one
+    # (``priority_class`` field or ``X-Priority-Class`` header); None: BE.
+    priority_class: str | None = None
 
     def make_limiter(self, now: float) -> RateLimiter | None:
         """A fresh token bucket for ``rpm`` (None without a rate limit)."""
@@ -141,7 +148,8 @@ class Tenant:
         return (
             f"Tenant(name={self.name!r}, api_keys={keys}, weight={self.weight:g}, "
             f"max_inflight={self.max_inflight}, max_input_tokens={self.max_input_tokens}, "
-            f"rpm={self.rpm}, burst={self.burst}, admin={self.admin})"
+            f"rpm={self.rpm}, burst={self.burst}, admin={self.admin}, "
+            f"priority_class={self.priority_class})"
         )
 
 
@@ -215,7 +223,10 @@ class TenantTable:
         if tenant is not None:
             return tenant
         d = self.defaults
-        return Tenant(name, (), d.weight, d.max_inflight, d.max_input_tokens, d.rpm, d.burst)
+        return Tenant(
+            name, (), d.weight, d.max_inflight, d.max_input_tokens, d.rpm, d.burst,
+            priority_class=d.priority_class,
+        )  # fmt: skip
 
     @property
     def weights(self) -> dict[str, float]:
@@ -259,6 +270,10 @@ def _check_limits(table: Mapping[str, Any], where: str) -> dict[str, Any]:
             if not _is_number(v) or v < 1:
                 raise ConfigError(f"{where}: burst must be a number >= 1 (got {v!r})")
             out[key] = float(v)
+        elif key == "priority_class":
+            if v not in PRIORITY_CLASSES:
+                raise ConfigError(f'{where}: priority_class must be "rt" or "be" (got {v!r})')
+            out[key] = v
     return out
 
 

@@ -37,9 +37,10 @@ from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.radix import MatchMemo
 from sgl_fair.records import EventKind, RequestRecord, ServiceEvent
 from sgl_fair.request import Phase, Request
+from sgl_fair.worker import share_guard
 from sgl_fair.worker.engine import Batch, PrefillChunk, StepResult
 from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
-from sgl_fair.worker.select_step import step_selected
+from sgl_fair.worker.select_step import decode_restoring, restore_checkpointed, step_selected
 
 # Seconds for one iteration: prefill chunks ``(num_new_tokens, num_context_before)`` and one
 # decode token per context length (the signature of ``sim.CostModel.step_time``).
@@ -63,6 +64,11 @@ class SchedulerConfig:
     # so k = 1 admits the least-served client's request the first step it fits, at the cost
     # of an O(waiting) walk per step.
     recheck_blocked_every: int = 0
+    # Share each client's hold on the running batch and KV while others wait (the share
+    # guard, ``worker/share_guard.py``): a starving client's request may retract running
+    # requests of the client holding the most. Off here (the papers' schedulers); the live
+    # server turns it on for fair policies.
+    share_guard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size", "clip_max_new_tokens"):
@@ -93,6 +99,7 @@ class SchedulerStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
     num_retractions: int = 0
+    num_share_retractions: int = 0  # retractions by the share guard's admission rule
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -115,6 +122,8 @@ class Scheduler:
         self.policy = policy
         self.cost = cost  # the iteration cost model, for batch-selecting policies
         self.kv = kv
+        # The allocator may checkpoint a request's KV to host (bidirectional blocks).
+        self._checkpointing = hasattr(kv.allocator, "restore_plan")
         # Optional seam: a policy that throttles only under overload (FairServe's OIT) reads
         # the worker's KV usage through this probe.
         attach_load = getattr(policy, "attach_load", None)
@@ -220,7 +229,9 @@ class Scheduler:
                 self.running.remove(req)
             handle = self._handles.pop(req)
             computed = req.all_ids()[: req.num_computed]
-            if len(computed) > handle.prefix_len:
+            # Keep its KV in the cache, unless part of it is checkpointed to host (a paused BE
+            # request under bidirectional blocks): then it is dropped, host copy included.
+            if len(computed) > handle.prefix_len and not self.checkpointed_slots(req):
                 handle = self.kv.commit(req, computed, handle)
             self.kv.release(req, handle)
             waiting = False
@@ -254,13 +265,18 @@ class Scheduler:
                 return batch
         if self.running:
             self._ensure_decode_memory()
-            for req in self.running:
-                self.kv.allocate(req, 1)
+            swap_in = 0
+            if self._checkpointing:  # bidirectional blocks: restore paused BE KV first
+                decode, swap_in = decode_restoring(self)
+            else:
+                decode = self.running
+                for req in decode:
+                    self.kv.allocate(req, 1)
             self._blocked_decode_steps = (
                 self._blocked_decode_steps + 1 if self._admission_blocked else 0
             )
             self.stats.num_decode_steps += 1
-            return Batch(decode=tuple(self.running))
+            return Batch(decode=tuple(decode), swap_in_tokens=swap_in)
         self.new_token_ratio = self.config.init_new_token_ratio
         return None
 
@@ -295,10 +311,19 @@ class Scheduler:
         num_active = len(self.running) + len(chunks)
         if budget > 0 and self.waiting and num_active < cfg.max_running_requests:
             chunks.extend(self._admit(budget, num_active, promised))
+        if cfg.share_guard and self._admission_blocked and self.chunked is None:
+            left = cfg.chunked_prefill_size - sum(c.num_tokens for c in chunks)
+            clip = cfg.clip_max_new_tokens
+            owed = sum(min(c.req.remaining_new_tokens, clip) - 1 for c in chunks if c.last)
+            active = len(self.running) + len(chunks)
+            chunks.extend(share_guard.admit_below_share(self, left, active, owed))
         if not chunks:
             return None
         self._in_batch = tuple(c.req for c in chunks)
-        return Batch(prefill=tuple(chunks))
+        swap_in = 0
+        if self._checkpointing:  # an RT admitted after a BE one may have overwritten its slots
+            _, swap_in = restore_checkpointed(self, [], chunks, allocated=True)
+        return Batch(prefill=tuple(chunks), swap_in_tokens=swap_in or 0)
 
     def _continue_chunked(self, budget: int) -> PrefillChunk | None:
         req = self.chunked
@@ -411,7 +436,12 @@ class Scheduler:
         steps = self.config.retract_decode_steps
         victim_fn = getattr(self.policy, "victim", None)
         while len(self.running) > 1 and (self.kv.available_tokens() < len(self.running) * steps):
-            victim = victim_fn(self.running) if victim_fn else self._default_victim()
+            if victim_fn is not None:
+                victim = victim_fn(self.running)
+            elif self.config.share_guard:
+                victim = share_guard.decode_victim(self)
+            else:
+                victim = self._default_victim()
             self._retract(victim)
         total_max_new = sum(r.max_new_tokens for r in self.running)
         decoded = sum(r.num_output for r in self.running)

@@ -51,7 +51,7 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
         chunks.extend(sched._admit(budget, num_active, promised, iter(admit)))
     sched._admission_blocked = False
     if swap_in is not None:  # this step's RT growth may have overwritten chosen BE slots
-        decode, more = _restore_checkpointed(sched, decode, chunks, allocated=True)
+        decode, more = restore_checkpointed(sched, decode, chunks, allocated=True)
         swap_in += more
     while not chunks and not decode and sched.running:  # no progress: retract until some
         decode, more = _grow(sched, _decode_memory(sched, list(sched.running)))
@@ -72,9 +72,30 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
     return Batch(prefill=tuple(chunks), decode=tuple(decode), swap_in_tokens=swap_in or 0)
 
 
+def decode_restoring(sched: Scheduler) -> tuple[list[Request], int]:
+    """The default path's decode step under an allocator that checkpoints (bidirectional
+    blocks) — ``Scheduler.step`` calls it for policies without ``select_batch``.
+
+    Every running request decodes, its checkpointed KV restored first; one whose restore or
+    next slot does not fit sits the step out (keeping its KV); one this step's RT growth
+    overwrote and that cannot come back is retracted. If no request can run, requests are
+    retracted (the policy's victim, else SGLang's) until one can. Returns the decoding
+    requests and the tokens swapped in."""
+    victim_fn = getattr(sched.policy, "victim", None)
+    while True:
+        decode, swap_in = _grow(sched, list(sched.running))
+        decode, more = restore_checkpointed(sched, decode, allocated=True)
+        if decode:
+            return decode, (swap_in or 0) + (more or 0)
+        if len(sched.running) <= 1:
+            raise MemoryError("KV pool too small to restore or grow a single running request")
+        pool = sched.running
+        sched._retract(victim_fn(pool) if victim_fn else sched._default_victim(pool))
+
+
 def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int | None]:
     """Restore and allocate each chosen decode's next slot; one that cannot sits out."""
-    decode, swap_in = _restore_checkpointed(sched, decode)
+    decode, swap_in = restore_checkpointed(sched, decode)
     ready: list[Request] = []
     victim_fn = getattr(sched.policy, "victim", None)
     for req in decode:
@@ -92,7 +113,7 @@ def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int |
     return ready, swap_in
 
 
-def _restore_checkpointed(
+def restore_checkpointed(
     sched: Scheduler,
     decode: list[Request],
     chunks: Sequence[PrefillChunk] = (),

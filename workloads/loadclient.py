@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 
 from sgl_fair.records import EventKind, RequestRecord, ServiceEvent
-from sgl_fair.request import Request
+from sgl_fair.request import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S, Request, ServiceClass
 
 # Streamed chunks repeat every output id so far: msgspec decodes (and type-checks) them in C,
 # several times faster than json, which keeps the load generator's own CPU out of the
@@ -235,9 +235,19 @@ def apply_chunk(rec: CallRecord, chunk: StreamChunk | Mapping[str, Any], t: floa
 
 
 def request_payload(
-    req: Request, wire_rid: str, *, routing_key: bool = True, stream_interval: int | None = None
+    req: Request,
+    wire_rid: str,
+    *,
+    routing_key: bool = True,
+    stream_interval: int | None = None,
+    interaction_prefix: str = "",
 ) -> dict[str, Any]:
-    """SGLang's native ``/generate`` body: token ids in, exactly ``max_new_tokens`` out."""
+    """SGLang's native ``/generate`` body: token ids in, exactly ``max_new_tokens`` out.
+
+    A program's call says which interaction it belongs to, as the simulator's requests do
+    (FairServe, ``docs/fairserve.md``): ``interaction_id`` (the program run, prefixed with
+    ``interaction_prefix`` so runs do not share ids), ``app`` and ``stage``; and its service
+    class when it is real-time (BROS)."""
     sampling: dict[str, Any] = {
         "max_new_tokens": req.max_new_tokens,
         "temperature": 0,
@@ -253,6 +263,17 @@ def request_payload(
     }
     if routing_key:
         payload["routing_key"] = req.client
+    if req.interaction_id is not None:
+        payload["interaction_id"] = interaction_prefix + req.interaction_id
+    if req.app is not None:
+        payload["app"] = req.app
+        payload["stage"] = req.stage
+    if req.service_class is not ServiceClass.BE:
+        payload["priority_class"] = req.service_class.value
+        if req.ttft_slo_s != DEFAULT_TTFT_SLO_S:
+            payload["ttft_slo_s"] = req.ttft_slo_s
+        if req.tpot_slo_s != DEFAULT_TPOT_SLO_S:
+            payload["tpot_slo_s"] = req.tpot_slo_s
     return payload
 
 
@@ -273,8 +294,14 @@ async def send_call(
     headers = {"X-Client-Id": req.client, "Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+    # the wire rid is the run's tag + the rid: the same tag keeps interactions apart
+    tag = rec.wire_rid[: len(rec.wire_rid) - len(req.rid)] if rec.wire_rid.endswith(req.rid) else ""
     payload = request_payload(
-        req, rec.wire_rid, routing_key=routing_key, stream_interval=stream_interval
+        req,
+        rec.wire_rid,
+        routing_key=routing_key,
+        stream_interval=stream_interval,
+        interaction_prefix=tag,
     )
     body = _encode(payload)
     async with session.post(f"{url}/generate", data=body, headers=headers) as resp:

@@ -51,6 +51,7 @@ class LaunchConfig:
     sim_eos: EosLengths | None = field(default_factory=EosLengths)  # None: run to max_new_tokens
     sim_text: bool = True  # punctuation and newlines in simulated output
     max_queued_requests: int | None = 4096  # generation requests served at once; more -> 429
+    share_guard: str = "auto"  # auto: on for fair local policies (worker/share_guard.py)
     admin_key: str | None = None  # guards /metrics, /server_info, /flush_cache (see guard.py)
     admin_loopback: bool = True  # callers on 127.0.0.1/::1 need no admin key
     http_header_timeout_s: float = 10.0  # a connection's next request headers, or it closes
@@ -63,6 +64,10 @@ class LaunchConfig:
     sglang_args: tuple[str, ...] = ()  # passed through to every server the launcher starts
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 30.0
+    # SGLang's integer `priority` sets a request's class when it names none: >= N is RT
+    # (<= N with low_priority_values_first, SGLang's --schedule-low-priority-values-first).
+    rt_priority_threshold: int | None = None
+    low_priority_values_first: bool = False
 
 
 def _kv(items: Sequence[str], flag: str) -> dict[str, Any]:
@@ -82,7 +87,17 @@ def _kv(items: Sequence[str], flag: str) -> dict[str, Any]:
             value = raw == "true"
         if raw in ("inf", "none"):
             value = math.inf if raw == "inf" else None
-        out[key] = value
+        # dotted keys set nested options: limits.user_limit=5 -> {"limits": {"user_limit": 5}}
+        *parents, leaf = key.split(".")
+        if not leaf or not all(parents):
+            raise ValueError(f"{flag}: bad key {key!r}")
+        node = out
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{flag}: {part} is given as a value and as options")
+            node = child
+        node[leaf] = value
     return out
 
 
@@ -170,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated output has sentence ends, commas and newlines (so stop strings fire)",
     )  # fmt: skip
     p.add_argument(
+        "--share-guard", choices=("auto", "on", "off"), default="auto",
+        help="while a client waits, running requests of the client holding the most KV / "
+        "running slots give way to it (auto: on for the fair policies vtc, dlpm, fairserve)",
+    )  # fmt: skip
+    p.add_argument(
         "--max-queued-requests", type=int, default=4096, metavar="N",
         help="generation requests the server takes at once (parsing, queued or running); "
         "more get 429 + Retry-After at once, so memory stays bounded (0: no bound)",
@@ -198,6 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-restart-backoff", type=float, default=0.5, metavar="S",
         help="restart a simulated worker whose process exited after S seconds, doubling per "
         "restart up to 30 s (0: never restart)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rt-priority-threshold", type=int, default=None, metavar="N",
+        help="SGLang's integer `priority` field sets a request's service class when it gives "
+        "no priority_class: priority >= N is real-time (RT), below is best-effort (default: "
+        "priority does not set a class)",
+    )  # fmt: skip
+    p.add_argument(
+        "--schedule-low-priority-values-first", action="store_true",
+        help="with --rt-priority-threshold: priority <= N is RT (SGLang's flag of that name; "
+        "also passed on to SGLang servers the launcher starts)",
     )  # fmt: skip
     p.add_argument(
         "--startup-timeout", type=float, default=None, metavar="S",
@@ -290,6 +321,16 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
             load_tenants(a.tenants)
         except ConfigError as e:
             bad(f"--tenants: {e}")
+    if (
+        a.schedule_low_priority_values_first
+        and a.rt_priority_threshold is None
+        and (backend != "sglang")
+    ):
+        bad("--schedule-low-priority-values-first needs --rt-priority-threshold")
+    # SGLang's own flag: the servers the launcher starts get it too
+    low_first_passthrough = (
+        a.schedule_low_priority_values_first and backend == "sglang" and not a.worker_url
+    )
     return LaunchConfig(
         dp=dp,
         host=a.host,
@@ -318,6 +359,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         sim_eos=sim_eos,
         sim_text=a.sim_text == "on",
         max_queued_requests=a.max_queued_requests or None,
+        share_guard=a.share_guard,
         admin_key=a.admin_key or os.environ.get("SGLFAIR_ADMIN_KEY") or None,
         admin_loopback=a.admin_loopback == "on",
         http_header_timeout_s=a.http_header_timeout,
@@ -325,9 +367,12 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         startup_timeout_s=startup_timeout,
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),
-        sglang_args=tuple(passthrough),
+        sglang_args=tuple(passthrough)
+        + (("--schedule-low-priority-values-first",) if low_first_passthrough else ()),
         health_check_interval_s=a.health_check_interval,
         health_check_timeout_s=a.health_check_timeout,
+        rt_priority_threshold=a.rt_priority_threshold,
+        low_priority_values_first=a.schedule_low_priority_values_first,
     )
 
 
@@ -366,6 +411,13 @@ def _check_sglang(a: argparse.Namespace, backend: str, passthrough: list[str], b
             "starts; with --worker-url it starts none"
         )
     return len(urls)
+
+
+def share_guard_on(cfg: LaunchConfig) -> bool:
+    """Whether the workers' schedulers run the share guard (``--share-guard``)."""
+    if cfg.share_guard != "auto":
+        return cfg.share_guard == "on"
+    return bool(getattr(policy_class(cfg.schedule_policy), "shares_running", False))
 
 
 def local_policy_opts(cfg: LaunchConfig, tenants: TenantTable | None) -> dict[str, Any]:

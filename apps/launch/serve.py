@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sgl_fair.config import load_tenants
-from sgl_fair.launch.config import LaunchConfig, local_policy_opts, parse_config
+from sgl_fair.launch.config import LaunchConfig, local_policy_opts, parse_config, share_guard_on
 from sgl_fair.launch.http_protocol import guarded_protocol
 from sgl_fair.launch.ports import connection_budget, port_free, raise_fd_limit
 from sgl_fair.launch.sglang import (
@@ -94,6 +94,7 @@ def sim_worker_configs(cfg: LaunchConfig, state: Any) -> list[Any]:
     sched = SchedulerConfig(
         max_running_requests=cfg.max_running_requests,
         chunked_prefill_size=cfg.chunked_prefill_size,
+        share_guard=share_guard_on(cfg),
     )
     opts = local_policy_opts(cfg, state.tenants)
     return [

@@ -15,6 +15,8 @@ One module per job; import the names from here (``from sgl_fair.router import pr
                           both wire formats share; the checks after tokenization
     requests_sglang.py    POST /generate
     requests_openai.py    POST /v1/completions and /v1/chat/completions; the chat prompt
+    scheduling.py         service class (RT/BE), SLOs, interaction: body, headers, defaults;
+                          FairServe's throttling reasons
     responses.py          Completion, FinishInfo; SGLang's /generate result and events; SSE
                           framing; the info endpoints
     responses_openai.py   OpenAI's objects, stream chunks, logprobs and usage
@@ -65,6 +67,14 @@ from sgl_fair.router.protocol.responses_openai import (
     completion_usage_chunk,
     usage,
 )
+from sgl_fair.router.protocol.scheduling import (
+    Hints,
+    Scheduling,
+    Throttle,
+    parse_hints,
+    parse_throttle,
+)
+from sgl_fair.router.protocol.scheduling import resolve as resolve_scheduling
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -75,9 +85,12 @@ __all__ = [
     "FinishInfo",
     "GenItem",
     "GenerateRequest",
+    "Hints",
     "Limits",
     "ProtocolError",
     "SamplingParams",
+    "Scheduling",
+    "Throttle",
     "chat_chunk",
     "chat_first_chunk",
     "chat_logprobs",
@@ -99,7 +112,10 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_generate",
+    "parse_hints",
+    "parse_throttle",
     "render_chat_prompt",
+    "resolve_scheduling",
     "server_info",
     "sse",
     "sse_error",

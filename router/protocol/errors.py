@@ -35,7 +35,8 @@ class ProtocolError(Exception):
 
     ``param`` is the JSON path of the offending field (``messages[1].content``), or None
     when the problem is not one field (a body that is not JSON). ``retry_after_s`` (for a
-    429 or 503) becomes a ``Retry-After`` header via :meth:`headers`.
+    429 or 503) becomes a ``Retry-After`` header via :meth:`headers`. ``details``: more keys
+    of the error object (a throttled request's ``throttle``: which limit, its window).
     """
 
     def __init__(
@@ -45,12 +46,14 @@ class ProtocolError(Exception):
         param: str | None = None,
         *,
         retry_after_s: float | None = None,
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.details = details  # extra keys of the error object (e.g. ``throttle``)
 
     def headers(self) -> dict[str, str]:
         """``Retry-After`` in whole seconds, rounded up (HTTP has no fractions), if set."""
@@ -63,14 +66,15 @@ class ProtocolError(Exception):
         return error_type(self.status)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.status,
-            }
+        error = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.status,
         }
+        if self.details:
+            error.update(self.details)
+        return {"error": error}
 
     def body(self) -> bytes:
         return msgspec.json.encode(self.to_dict())

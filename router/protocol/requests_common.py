@@ -112,6 +112,9 @@ class GenItem:
     # lora_path, custom_logit_processor, image_data, ...); None when there are none.
     extra: dict[str, Any] | None = None
     return_prompt_token_ids: bool = False
+    # The request's scheduling fields as its body gave them (``scheduling.Hints``: service
+    # class, SLOs, interaction); None: none given. Headers and defaults are merged later.
+    hints: Any = None
 
 
 # ---- value checks ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from sgl_fair.router.protocol.requests_common import (
     sim_refusal,
 )
 from sgl_fair.router.protocol.requests_sglang import _NOT_RELAYED
+from sgl_fair.router.protocol.scheduling import SCHEDULING_FIELDS, parse_hints
 from sgl_fair.router.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ _OPENAI_BASE_KEYS = frozenset(
         *_OPENAI_SAMPLING,
         *_OPENAI_HARMLESS,
         *_OPENAI_SIM_REFUSED,
+        *SCHEDULING_FIELDS,
     }
 )
 COMPLETION_FIELDS = _OPENAI_BASE_KEYS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
@@ -217,6 +219,7 @@ def parse_completion(
     rid = obj.get("rid")
     if rid is not None and is_batch:
         raise ProtocolError(400, "rid cannot be given for a batch of prompts", "rid")
+    hints = parse_hints(obj)
     items = [
         GenItem(
             text=None if are_ids else p,  # type: ignore[arg-type]
@@ -229,6 +232,7 @@ def parse_completion(
             rid=rid,
             routing_key=obj.get("routing_key"),
             extra=extra,
+            hints=hints,
         )
         for p in prompts
     ]
@@ -384,6 +388,7 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
         rid=obj.get("rid"),
         routing_key=obj.get("routing_key"),
         extra=extra,
+        hints=parse_hints(obj),
     )
     return ChatRequest(
         model=model,

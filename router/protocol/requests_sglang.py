@@ -41,6 +41,7 @@ from sgl_fair.router.protocol.requests_common import (
     _v_stream_interval,
     sim_refusal,
 )
+from sgl_fair.router.protocol.scheduling import SCHEDULING_FIELDS, parse_hints
 
 
 @dataclass(slots=True)
@@ -218,6 +219,7 @@ GENERATE_FIELDS = frozenset(
         *_GENERATE_FORWARD,
         *_GENERATE_SIM_REFUSED,
         *_GENERATE_REFUSED,
+        *SCHEDULING_FIELDS,
     }
 )
 SAMPLING_FIELDS = frozenset(_NATIVE_SAMPLING)
@@ -377,6 +379,7 @@ def parse_generate(
         _str(routing_key, "routing_key")
     if obj.get("stream_options") is not None:
         _obj(obj["stream_options"], "stream_options")
+    hints = parse_hints(obj)
 
     items = [
         GenItem(
@@ -391,6 +394,7 @@ def parse_generate(
             routing_key=routing_key,
             extra=extras[i],
             return_prompt_token_ids=prompt_ids,
+            hints=hints,
         )
         for i in range(n)
     ]

@@ -28,6 +28,12 @@ num_context)], decode_context_lens=[...]) -> seconds`` is the iteration cost mod
 simulator's ``CostModel.step_time``; None if the scheduler was built without one). Such a
 policy's ``order`` is never called; ``victim(pool)``, if defined, picks whom to retract.
 Policies without ``select_batch`` take the admission walk above, unchanged.
+
+Service measure (optional; the scheduler's share guard, ``worker/share_guard.py``). A policy
+that defines ``service_received(client) -> float`` — weighted service received, comparable across
+clients, lifted like VTC's counter so idling banks no credit — lets the guard make room only
+for a client that the policy itself does not consider ahead: a waiting client may take
+running slots from another only while ``service_received(waiting) <= service_received(holder)``.
 """
 
 from __future__ import annotations
@@ -90,6 +96,10 @@ class BasePolicy:
 
     name: ClassVar[str] = "base"
     Config: ClassVar[type]
+    # A fair policy: the live server turns the scheduler's share guard on for it by default
+    # (``--share-guard auto``; ``worker/share_guard.py``), so a flood cannot hold the running
+    # batch while another client waits. Baselines keep the papers' behaviour.
+    shares_running: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else self.Config()

@@ -35,6 +35,8 @@ from sgl_fair.request import ClientId, Request
 
 @register("dlpm")
 class DLPM(BasePolicy):
+    shares_running = True
+
     @dataclass(frozen=True)
     class Config:
         quantum: float = 2048.0
@@ -52,6 +54,12 @@ class DLPM(BasePolicy):
     def __init__(self, config: Config | None = None) -> None:
         super().__init__(config)
         self.deficits: dict[ClientId, float] = {}
+        # Weighted service received, lifted to the least active client's on rejoin (VTC's
+        # rule): the share guard's measure (policies/base.py); the walk never reads it.
+        self.served: dict[ClientId, float] = {}
+
+    def service_received(self, client: ClientId) -> float:
+        return self.served.get(client, 0.0)
 
     def deficit(self, client: ClientId) -> float:
         return self.deficits.get(client, 0.0)
@@ -59,11 +67,15 @@ class DLPM(BasePolicy):
     def _charge(self, client: ClientId, service: float) -> None:
         w = client_weight(self.config.weights, client)
         self.deficits[client] = self.deficit(client) - service / w
+        self.served[client] = self.service_received(client) + service / w
 
     def on_arrival(self, req: Request, now: float) -> Rejection | None:
+        others = [self.service_received(c) for c in self.active.clients() if c != req.client]
         if self.active.enqueue(req.client):
             d = self.deficit(req.client)
             self.deficits[req.client] = 0.0 if self.config.reset_on_rejoin else min(d, 0.0)
+            if others:
+                self.served[req.client] = max(self.service_received(req.client), min(others))
         return None
 
     def on_admitted(self, req: Request, extend_len: int) -> None:

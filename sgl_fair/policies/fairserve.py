@@ -67,6 +67,8 @@ INTERACTION_MODES = ("started", "running", "off")
 
 @register("fairserve")
 class FairServe(BasePolicy):
+    shares_running = True
+
     @dataclass(frozen=True)
     class Config:
         alpha: float = 1.0
@@ -136,6 +138,8 @@ class FairServe(BasePolicy):
 
     def counter(self, user: ClientId) -> float:
         return self.counters.get(user, 0.0)
+
+    service_received = counter  # the share guard's measure (policies/base.py)
 
     def _key(self, req: Request) -> tuple[str, int]:
         return (req.app or "", req.stage)

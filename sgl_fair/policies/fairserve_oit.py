@@ -43,6 +43,16 @@ class Limits:
     min_limit: int = 10
     refresh_s: float = 5.0
 
+    def __post_init__(self) -> None:
+        if not self.window_s > 0:
+            raise ValueError(f"fairserve: limits.window_s must be > 0 (got {self.window_s})")
+        given = {"user_limit": self.user_limit, "min_limit": self.min_limit}
+        given.update({f"user_limits.{k}": v for k, v in (self.user_limits or {}).items()})
+        given.update({f"app_limits.{k}": v for k, v in (self.app_limits or {}).items()})
+        bad = {k: v for k, v in given.items() if v is not None and v < 0}
+        if bad:  # 0 is allowed: no new interaction while overloaded
+            raise ValueError(f"fairserve: limits must be >= 0 (got {bad})")
+
 
 class Windows:
     """Sliding-window arrival counts per (user, app) and per app, and the limits over them."""
@@ -121,6 +131,8 @@ class Windows:
 
     def _retry_after(self, times: deque[float], limit: int, now: float) -> float:
         # A retry is counted too, so it fits once all but `limit - 1` have expired.
+        if limit <= 0:  # nothing fits while overloaded: retry after a window
+            return self.limits.window_s
         oldest_to_expire = times[len(times) - limit]
         return max(oldest_to_expire + self.limits.window_s - now, 0.0)
 

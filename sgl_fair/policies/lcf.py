@@ -15,6 +15,8 @@ from sgl_fair.policies.vtc import VTC
 
 @register("lcf")
 class LCF(VTC):
+    shares_running = False  # the unfair baseline stays one
+
     @dataclasses.dataclass(frozen=True)
     class Config(VTC.Config):
         lift: bool = False

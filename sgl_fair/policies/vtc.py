@@ -41,6 +41,8 @@ PREDICT_MODES = ("none", "predict", "oracle")
 
 @register("vtc")
 class VTC(BasePolicy):
+    shares_running = True
+
     @dataclass(frozen=True)
     class Config:
         weights: Mapping[ClientId, float] = field(default_factory=dict)
@@ -75,6 +77,8 @@ class VTC(BasePolicy):
 
     def counter(self, client: ClientId) -> float:
         return self.counters.get(client, 0.0)
+
+    service_received = counter  # the share guard's measure (policies/base.py)
 
     def _charge(self, client: ClientId, service: float) -> None:
         w = client_weight(self.config.weights, client)

@@ -377,3 +377,15 @@ def test_the_worker_gives_oit_its_kv_usage():
     sched.add_request(req, 0.0)
     sched.step(0.0)
     assert 0.2 <= probe() <= 0.3  # 1,000 prompt tokens + reservation of a 4,000-token pool
+
+
+def test_oit_limit_zero_throttles_every_new_interaction_and_negative_is_refused() -> None:
+    p = make_policy("fairserve", max_waiting=0, limits={"user_limit": 0, "window_s": 30})
+    d = Driver(p)
+    d.arrive(call("x"))  # one waiting: overloaded from now on
+    rej = p.on_arrival(call("u", iid="a"), 1.0)
+    assert rej is not None and rej.retry_after_s == pytest.approx(30.0)
+    with pytest.raises(ValueError, match="limits must be >= 0"):
+        make_policy("fairserve", limits={"app_limits": {"chat": -1}})
+    with pytest.raises(ValueError, match="window_s"):
+        make_policy("fairserve", limits={"window_s": 0})

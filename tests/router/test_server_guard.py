@@ -48,3 +48,20 @@ def test_operator_views_need_an_admin_key_and_deep_json_is_400(tmp_path):
             headers={"Authorization": "Bearer sk-acme"},
         )  # fmt: skip
         assert r.status_code == 200
+
+
+def test_without_tenant_keys_abort_all_is_for_operators(tmp_path):
+    """Nobody owns a request without keys: any caller may abort a rid it knows, but
+    aborting everyone's requests needs the admin key (loopback trust is off here)."""
+    args = ("--dp", "1", "--time-scale", "inf", "--admin-loopback", "off")
+    with launched(*args, "--admin-key", "op-secret", tmp_path=tmp_path) as s:
+        r = httpx.post(s.url + "/abort_request", json={"abort_all": True}, timeout=10)
+        assert r.status_code == 401 and "abort_all" in r.json()["error"]["message"]
+        bad = {"Authorization": "Bearer nope"}
+        r = httpx.post(s.url + "/abort_request", json={"abort_all": True}, headers=bad)
+        assert r.status_code == 403
+        r = httpx.post(s.url + "/abort_request", json={"rid": "someone"}, timeout=10)
+        assert r.status_code == 200 and r.json() == {"aborted": 0}
+        ok = {"Authorization": "Bearer op-secret"}
+        r = httpx.post(s.url + "/abort_request", json={"abort_all": True}, headers=ok)
+        assert r.status_code == 200 and r.json() == {"aborted": 0}

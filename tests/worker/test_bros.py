@@ -285,3 +285,37 @@ def test_no_batch_pushes_a_chosen_rt_past_its_deadline(rts, bes, limit):
         most_urgent = min((r for r in cands if r.service_class is RT), key=lambda r: rem[id(r)])
         # Scheduled, unless it had slack beyond this iteration and a BE took its place.
         assert most_urgent in chosen or rem[id(most_urgent)] >= t_iter
+
+
+def test_aborting_a_checkpointed_be_request_drops_its_host_copy():
+    """A paused BE request whose KV is partly on the host can be aborted (client gone): its
+    device and host tokens are freed, nothing goes to the cache, the rest still finishes."""
+    cm = CostModel.from_names("A10G", "Llama-2-7B")
+    reqs = hybrid_workload(4, num_rt=25, num_be=10)
+    kv = PrefixKVCache(make_allocator("bidirectional", 1200, block_size=8))
+    sched = Scheduler(policy=make_policy("bros"), kv=kv, cost=cm.step_time)
+    engine, now, pending = SimEngine(cm), 0.0, sorted(reqs, key=Request.arrival_key)
+    aborted = []
+    for _ in range(100_000):
+        while pending and pending[0].arrival_s <= now:
+            sched.add_request(pending.pop(0), now)
+        for r in list(sched.running):
+            if sched.checkpointed_slots(r) > 0:
+                assert sched.abort(r, now)
+                aborted.append(r)
+                sched.check_invariants()
+        batch = sched.step(now)
+        if batch is None:
+            if not pending:
+                break
+            now = pending[0].arrival_s
+            continue
+        result = engine.run(batch)
+        now += result.duration_s
+        sched.apply(result, now)
+        sched.check_invariants()
+    assert aborted, "the workload must checkpoint some BE request"
+    assert all(r.phase is Phase.ABORTED for r in aborted)
+    assert_finished_exactly([r for r in reqs if r not in aborted])
+    assert kv.allocator.host_used_tokens() == 0
+    assert not kv.allocator._class

@@ -8,6 +8,8 @@ identity the three ways the load-test harness does, whichever the server reads::
 
     X-Client-Id: <client>          header: our server's identity when it has no tenant keys
     "routing_key": "<client>"      /generate JSON: SGLang's own field (cache-aware routing)
+    "interaction_id", "app",       /generate JSON: the program run is one interaction, each
+    "stage"                        call's index its stage (FairServe; SGLang ignores them)
     Authorization: Bearer <key>    when the client has an API key: the only identity with keys
 
 It also bounds every call (connect and read timeouts: a dead server is an error, not a hang),
@@ -365,6 +367,10 @@ class ClientEndpoint(RuntimeEndpoint):
         recs = self._begin(data, kind, n)
         if self.routing_key:
             data.setdefault("routing_key", self.client)
+        # one program run is one interaction (FairServe); each call's index is its stage
+        data.setdefault("interaction_id", f"{self.log.run_tag}-{self._tag.program_id}")
+        data.setdefault("app", self._tag.app)
+        data.setdefault("stage", recs[0].stage)
         if "rid" not in data:
             data["rid"] = [r.wire_rid for r in recs] if batch else recs[0].wire_rid
         data["stream"] = stream
@@ -441,7 +447,7 @@ class ClientEndpoint(RuntimeEndpoint):
             program_id=tag.program_id,
             node=node,
             app=tag.app,
-            stage=0,
+            stage=seq,
             input_len=0,
             max_new_tokens=0,
             arrival_s=arrival,

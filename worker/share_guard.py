@@ -1,0 +1,153 @@
+"""The share guard: fairness at the moment of arrival, not only in the admission order.
+
+VTC, DLPM and FairServe decide *who is admitted next*. Once one tenant's flood holds the
+running batch and the KV pool, that order does not help a newcomer: its request waits at
+the back of a blocked walk until one of the flood's long decodes finishes (issue 16: a
+well-behaved tenant's TTFT went from 0.01 s to 13 s). The guard shares what is held *now*.
+
+A client's **share** is its dominant share of the two things a running request holds,
+divided by its weight (the policy's ``weights``, 1 when it has none)::
+
+    share(c) = max(KV tokens c's running requests hold / KV capacity,
+                   c's running requests / max_running_requests) / weight(c)
+
+Two rules, both applied only with ``SchedulerConfig.share_guard`` (the live server turns it
+on for fair policies; the papers' experiments keep it off):
+
+1. **Admission blocked.** When the walk stops for lack of room (SGLang stops at the first
+   request that does not fit, so a flood's big prompt at the head blocks everyone), the
+   waiting client with the smallest share gets its next request (its first in the policy's
+   own order) admitted past it. If that request does not fit either, running requests of the
+   client with the largest share are retracted for it (SGLang's victim rule inside that
+   client: fewest output tokens, then longest prompt) — planned first, and only if the plan
+   makes it fit — while the victim's client keeps at least the newcomer's share *after* the
+   move and, for a policy with a ``service_received`` measure (VTC's counter, DLPM's and
+   FairServe's), the newcomer has not received more service than it. So no client is pushed
+   below the one it made room for, and the guard never undoes the policy's own order.
+2. **Decode out of memory.** The victim of a retraction comes from the client with the
+   largest share (SGLang's rule inside it), so the tenant that holds the most gives way.
+
+Counters stay right because a retraction is not a new service: a re-admitted request is not
+charged its prefill again (``on_admitted`` sees ``num_retractions > 0``), its generated
+tokens were charged once as they came out, and its prompt's KV stays in the radix cache
+until evicted. The cost is the victim's recomputation, bounded by one request per rule-1
+admission of a starving client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from sgl_fair.policies.base import group_by_client
+from sgl_fair.request import ClientId, Request
+
+if TYPE_CHECKING:
+    from sgl_fair.worker.engine import PrefillChunk
+    from sgl_fair.worker.scheduler import Scheduler
+
+
+class Shares:
+    """Per-client KV tokens and running requests of a scheduler's running set."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.capacity = max(sched.kv.capacity_tokens, 1)
+        self.slots = max(sched.config.max_running_requests, 1)
+        weights = getattr(getattr(sched.policy, "config", None), "weights", None) or {}
+        self._weights = weights
+        self.kv: dict[ClientId, int] = {}
+        self.count: dict[ClientId, int] = {}
+        held: Iterable[Request] = sched.running
+        if sched.chunked is not None:
+            held = [*sched.running, sched.chunked]
+        for r in held:
+            self.add(r.client, r.num_computed, 1)
+
+    def add(self, client: ClientId, tokens: int, requests: int) -> None:
+        self.kv[client] = self.kv.get(client, 0) + tokens
+        self.count[client] = self.count.get(client, 0) + requests
+
+    def weight(self, client: ClientId) -> float:
+        return self._weights.get(client, 1.0)
+
+    def share(self, client: ClientId, tokens: int = 0, requests: int = 0) -> float:
+        """``client``'s share with ``tokens``/``requests`` more (negative: fewer)."""
+        kv = (self.kv.get(client, 0) + tokens) / self.capacity
+        slots = (self.count.get(client, 0) + requests) / self.slots
+        return max(kv, slots) / self.weight(client)
+
+
+def _sglang_victim(pool: Iterable[Request]) -> Request:
+    # SGLang's retract order: fewest generated tokens first, then longest prompt.
+    return min(pool, key=lambda r: (r.num_output, -r.input_len, -r.seq))
+
+
+def decode_victim(sched: Scheduler) -> Request:
+    """Rule 2: the request to retract under decode memory pressure."""
+    shares = Shares(sched)
+    top = max(shares.count, key=lambda c: (shares.share(c), c))
+    pool = [r for r in sched.running if r.client == top] or sched.running
+    return _sglang_victim(pool)
+
+
+def admit_below_share(
+    sched: Scheduler, budget: int, num_active: int, promised: int
+) -> list[PrefillChunk]:
+    """Rule 1: admit the least-sharing waiting client's next request, making room if fair.
+
+    Called after a walk that stopped for lack of room; returns the chunk(s) admitted (empty
+    when nothing was fair to take).
+    """
+    if budget <= 0 or not sched.running or not sched.waiting:
+        return []
+    shares = Shares(sched)
+    groups = group_by_client(sched.waiting)
+    newcomer = min(groups, key=lambda c: (shares.share(c), groups[c][0].arrival_key()))
+    walk = sched.policy.order(tuple(groups[newcomer]), sched)
+    try:
+        req = next(iter(walk), None)
+    finally:
+        close = getattr(walk, "close", None)
+        if close is not None:
+            close()
+    if req is None:
+        return []
+    clip = sched.config.clip_max_new_tokens
+    tokens = req.all_ids()
+    cached = min(sched.prefix_len(req), len(tokens) - 1)
+    need = len(tokens) - cached + min(req.remaining_new_tokens, clip)
+    target = shares.share(newcomer, len(tokens), 1)
+    cfg = sched.config
+    service = getattr(sched.policy, "service_received", None)
+
+    room = sched.kv.available_tokens() - sched._reserved_tokens() - promised
+    short_kv = need - room
+    short_slots = num_active + 1 - cfg.max_running_requests
+    ratio = sched.new_token_ratio
+    # Plan first, retract after: a retraction that does not make room for the newcomer would
+    # only hand the room straight back to the victim's client (thrashing).
+    plan: list[Request] = []
+    taken: set[int] = set()
+    while short_kv > 0 or short_slots > 0:
+        others = [c for c in shares.count if c != newcomer and shares.count[c] > 0]
+        if not others:
+            return []
+        top = max(others, key=lambda c: (shares.share(c), c))
+        pool = [r for r in sched.running if r.client == top and id(r) not in taken]
+        if not pool:  # its only held request is the chunked one, which is not retractable
+            return []
+        victim = _sglang_victim(pool)
+        if shares.share(top, -victim.num_computed, -1) < target:
+            return []  # taking more from `top` would push it below the newcomer
+        if service is not None and service(newcomer) > service(top):
+            return []  # the policy counts the newcomer as served more: not owed any room
+        shares.add(top, -victim.num_computed, -1)
+        plan.append(victim)
+        taken.add(id(victim))
+        # Its KV becomes free or evictable, and its output reservation is released.
+        short_kv -= victim.num_computed + ratio * min(victim.remaining_new_tokens, clip)
+        short_slots -= 1
+    for victim in plan:
+        sched._retract(victim)
+    sched.stats.num_share_retractions += len(plan)
+    return sched._admit(budget, num_active - len(plan), promised, walk=iter([req]))
