@@ -7,11 +7,16 @@ admission loop) with SGLang's ``fcfs`` and ``lpm`` and with the plugin's ``fcfs`
 ``dlpm``, under a 4,096-token prefill budget (a pass admits a few dozen). ``first``: the pass
 that meets every request (the plugin builds its mirrors); ``next``: the pass after it, over the
 requests left (steady state: SGLang's prefix matches have split the cache's nodes by then).
+``plugin-exact`` is the plugin with its shadow cache off (``disable_shadow``): SGLang's own
+``match_prefix`` per waiting request per pass, as before the shadow (2026-11-25); the bench
+checks that both admit the same requests in the same order. ``--waiting 1000 --cases
+plugin:dlpm,plugin-exact:dlpm`` runs just the comparison.
 Needs the sglang CPU environment (``make sglang-cpu``; ``make bench`` builds it).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -33,7 +38,7 @@ from sgl_fair.worker.sglang.settings import PluginSettings  # noqa: E402
 
 BIG = 1 << 22  # KV pool (tokens): never the limit here
 CASES = [("sglang", "fcfs"), ("sglang", "lpm"), ("plugin", "fcfs"), ("plugin", "vtc"),
-         ("plugin", "dlpm")]  # fmt: skip
+         ("plugin", "dlpm"), ("plugin-exact", "dlpm")]  # fmt: skip
 
 
 def workload(n: int, seed: int = 0):
@@ -47,24 +52,35 @@ def workload(n: int, seed: int = 0):
     return docs, reqs
 
 
-def two_passes(kind: str, policy: str, n: int, budget: int) -> tuple[float, float, int]:
+def two_passes(kind: str, policy: str, n: int, budget: int) -> tuple[float, float, list[list[int]]]:
     docs, reqs = workload(n)
     rig = Rig(policy=policy if kind == "sglang" else "fcfs", kv_tokens=BIG,
               max_prefill_tokens=budget, chunked_prefill_size=budget)  # fmt: skip
-    if kind == "plugin":
-        plugin.install_policy(rig.scheduler, PluginSettings(policy, {}))
+    if kind != "sglang":
+        fair = plugin.install_policy(rig.scheduler, PluginSettings(policy, {}))
+        if kind == "plugin-exact":
+            fair.disable_shadow()
     for doc in docs:
         rig.cache(doc)
-    for client, ids in reqs:
-        rig.queue(make_req(ids, client))
+    queued = [make_req(ids, client) for client, ids in reqs]
+    for req in queued:
+        rig.queue(req)
     t0 = time.perf_counter()
     admitted = rig.admit()
     t1 = time.perf_counter()
-    rig.admit()
-    return t1 - t0, time.perf_counter() - t1, len(admitted)
+    admitted_next = rig.admit()
+    t2 = time.perf_counter()
+    pos = {id(r): i for i, r in enumerate(queued)}  # rids differ per run: positions do not
+    return t1 - t0, t2 - t1, [[pos[id(r)] for r in a] for a in (admitted, admitted_next)]
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--waiting", default="128,1000", help="queue depths, comma-separated")
+    ap.add_argument("--cases", default=",".join(f"{k}:{p}" for k, p in CASES),
+                    help="kind:policy,... (kinds: sglang, plugin, plugin-exact)")  # fmt: skip
+    args = ap.parse_args(argv)
+    cases = [tuple(c.split(":")) for c in args.cases.split(",")]
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     plugin._settings = None
@@ -72,16 +88,22 @@ def main() -> dict:
     plugin.register()
     HookRegistry.apply_hooks()
     rows = []
-    for n in (128, 1000):
-        for kind, policy in CASES:
+    for n in (int(x) for x in args.waiting.split(",")):
+        orders = {}
+        for kind, policy in cases:
             runs = [two_passes(kind, policy, n, 4096) for _ in range(3)]
             first = statistics.median(r[0] for r in runs) * 1e3
             nxt = statistics.median(r[1] for r in runs) * 1e3
+            orders[kind, policy] = runs[0][2]
             rows.append({"waiting": n, "scheduler": kind, "policy": policy,
                          "first_pass_ms": round(first, 1), "next_pass_ms": round(nxt, 1),
-                         "admitted": runs[0][2]})  # fmt: skip
-            print(f"{n:5d} {kind:7s} {policy:5s} first {first:8.1f} ms  next {nxt:8.1f} ms  "
-                  f"admitted {runs[0][2]}", flush=True)  # fmt: skip
+                         "admitted": len(runs[0][2][0])})  # fmt: skip
+            print(f"{n:5d} {kind:12s} {policy:5s} first {first:8.1f} ms  next {nxt:8.1f} ms  "
+                  f"admitted {len(runs[0][2][0])}", flush=True)  # fmt: skip
+        for (kind, policy), order in orders.items():
+            exact = orders.get(("plugin-exact", policy))
+            if kind == "plugin" and exact is not None and order != exact:
+                raise SystemExit(f"{policy} at {n} waiting: shadow and exact orders differ")
     return {"adapter_pass": rows}
 
 

@@ -24,6 +24,11 @@ retractions (``ScheduleBatch.retract_decode``). Each SGLang ``Req`` has a mirror
 ``sgl_fair.request.Request`` that the policy sees; the client id is the request's
 ``routing_key`` (never ``extra_key``, which partitions SGLang's prefix cache).
 
+Prefix matches (DLPM, LPM) come from ``shadow.py``: our radix tree following SGLang's cache
+through its KV event recorder, with memoised matches, so a pass over a deep queue re-matches
+only the requests whose tree path changed; SGLang's ``match_prefix`` per request per pass
+(``prefix_len`` below) remains for caches the shadow cannot follow. Both give the same lengths.
+
 ``plugin.py`` installs the hooks; this module holds what they call, so tests drive the same
 code with SGLang's real ``Req``, ``RadixCache`` and ``PrefillAdder`` on a CPU.
 """
@@ -31,22 +36,27 @@ code with SGLang's real ``Req``, ``RadixCache`` and ``PrefillAdder`` on a CPU.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.mem_cache.common import match_kv_cache
 
 from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.request import DEFAULT_CLIENT, Phase, Request
+from sgl_fair.worker.sglang import shadow as shadow_mod
 
 log = logging.getLogger("sgl_fair.sglang")
 
 # tree cache id -> the adapter of the scheduler that owns it (one per scheduler process; a
 # PrefillAdder and a ScheduleBatch reach their scheduler's adapter through their tree_cache).
 _ADAPTERS: dict[int, FairSchedulePolicy] = {}
+
+_arrival = operator.attrgetter("arrival_s", "seq")  # arrival order of mirrors
 
 
 def adapter_for(tree_cache: Any) -> FairSchedulePolicy | None:
@@ -177,11 +187,14 @@ class Ledger:
         """Requests that left the queue without being admitted (aborted, timed out, pushed out
         by the queue limit) leave the policy too; queued requests it never saw arrive now."""
         queued = {id(r) for r in waiting_queue}
+        reqs = self.reqs
+        waiting = Phase.WAITING
         for rid, m in list(self.mirrors.items()):
-            if m.phase is Phase.WAITING and id(self.reqs[rid]) not in queued:
-                self.aborted(self.reqs[rid], reason="left the waiting queue")
+            if m.phase is waiting and id(reqs[rid]) not in queued:
+                self.aborted(reqs[rid], reason="left the waiting queue")
+        get = reqs.get
         for r in waiting_queue:
-            if self.mirror(r) is None:
+            if get(r.rid) is not r:
                 self.arrived(r)  # a refusal here is ignored: SGLang already queued it
 
     def _pop(self, req: Req) -> Request | None:
@@ -196,11 +209,17 @@ class _View:
 
     def __init__(self, adapter: FairSchedulePolicy, running: Sequence[Request]) -> None:
         self._adapter = adapter
+        self._reqs = adapter.ledger.reqs
+        self._shadow = adapter.shadow if adapter._shadow_on else None
         self.running = running
         self.now = adapter.ledger.clock()
 
     def prefix_len(self, m: Request) -> int:
-        return self._adapter.prefix_len(self._adapter.ledger.reqs[m.rid])
+        req = self._reqs[m.rid]
+        shadow = self._shadow
+        if shadow is not None and not shadow.dirty:
+            return shadow.prefix_len(req, m.input_ids)
+        return self._adapter.prefix_len(req)
 
 
 class FairSchedulePolicy(SchedulePolicy):
@@ -213,6 +232,7 @@ class FairSchedulePolicy(SchedulePolicy):
         *,
         enable_hierarchical_cache: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        shadow: bool = True,
     ) -> None:
         super().__init__("fcfs", tree_cache, enable_hierarchical_cache, False, False)
         self.fair = policy
@@ -223,10 +243,28 @@ class FairSchedulePolicy(SchedulePolicy):
         self._pos = 0
         self.num_walks = 0
         self.num_resyncs = 0
+        # Prefix matches for the policy: memoised against a shadow of the cache (shadow.py)
+        # where the cache is one it can follow, else SGLang's own match_prefix.
+        self.shadow: shadow_mod.ShadowCache | None = None
+        self._shadow_on = False
+        if shadow:
+            why_not = shadow_mod.supported(tree_cache)
+            if why_not is None:
+                self.shadow = shadow_mod.ShadowCache(tree_cache)
+            else:
+                log.info("sgl-fair: exact prefix matches (no shadow cache): %s", why_not)
         _ADAPTERS[id(tree_cache)] = self
+
+    def disable_shadow(self) -> None:
+        """Back to SGLang's exact ``match_prefix`` per request per pass (the bench's baseline)."""
+        if self.shadow is not None:
+            self.shadow.detach()
+        self.shadow = None
+        self._shadow_on = False
 
     def detach(self) -> None:
         self._close_walk()
+        self.disable_shadow()
         if _ADAPTERS.get(id(self.tree_cache)) is self:
             del _ADAPTERS[id(self.tree_cache)]
 
@@ -244,26 +282,28 @@ class FairSchedulePolicy(SchedulePolicy):
         ledger.reconcile_waiting(waiting_queue)
         if not waiting_queue:
             return
-        mirrors = sorted(
-            (ledger.mirror(r) for r in waiting_queue), key=lambda m: (m.arrival_s, m.seq)
-        )
+        mirrors = sorted(map(ledger.mirror, waiting_queue), key=_arrival)
         running = [
             m
             for r in (running_batch.reqs if running_batch is not None else ())
             if (m := ledger.mirror(r)) is not None
         ]
+        self._shadow_on = self.shadow is not None and not envs.SGLANG_RADIX_FORCE_MISS.get()
+        if self._shadow_on:
+            self.shadow.begin_pass(waiting_queue)
         self._queue = waiting_queue
         self._walk = self.fair.order(mirrors, _View(self, running))
         self.num_walks += 1
         # Until the walk picks them, the rest wait in arrival order.
-        by_rid = {r.rid: r for r in waiting_queue}
-        waiting_queue[:] = [by_rid[m.rid] for m in mirrors]
+        reqs = ledger.reqs
+        waiting_queue[:] = [reqs[m.rid] for m in mirrors]
         self._pos = 0
         self._expect = None
         self._place_next(0)
 
     def prefix_len(self, req: Req) -> int:
-        """Tokens of ``req`` cached on this worker (SGLang's own match, as its LPM does)."""
+        """Tokens of ``req`` cached on this worker (SGLang's own match, as its LPM does): the
+        exact path, used without a shadow cache."""
         match_kv_cache(req, self.tree_cache, req.origin_input_ids + req.output_ids)
         return int(req.prefix_len)
 
@@ -328,7 +368,7 @@ class FairSchedulePolicy(SchedulePolicy):
         assert self._queue is not None
         self._close_walk(keep_queue=True)
         rest = [m for r in self._queue[pos:] if (m := self.ledger.mirror(r)) is not None]
-        rest.sort(key=lambda m: (m.arrival_s, m.seq))
+        rest.sort(key=_arrival)
         self._walk = self.fair.order(rest, _View(self, []))
         self._place_next(pos)
 
