@@ -82,6 +82,7 @@ def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
         load_interval_s=cfg.load_interval_s,
         report_evictions=False,  # the router learns evictions from KV events
         kv_changes=True,
+        keep_log=False,  # serving for days: hold only what is in flight
     )
 
 

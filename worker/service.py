@@ -44,7 +44,11 @@ class WorkerCore:
         load_interval_s: float = 0.1,
         report_evictions: bool = True,
         kv_changes: bool = False,
+        keep_log: bool = True,
     ) -> None:
+        """``keep_log=False`` (a live worker): the scheduler's log of finished requests and
+        service events is emptied at every ``drain`` once reported, so a worker that serves
+        for days holds only what is in flight. The simulators keep it for their metrics."""
         if load_interval_s <= 0:
             raise ValueError(f"load_interval_s must be > 0 (got {load_interval_s})")
         self.wid = wid
@@ -53,6 +57,7 @@ class WorkerCore:
         self.load_interval_s = load_interval_s
         self.report_evictions = report_evictions
         self.kv_changes = kv_changes
+        self.keep_log = keep_log
         if report_evictions:
             scheduler.kv.record_evictions()
         if kv_changes:
@@ -138,7 +143,12 @@ class WorkerCore:
         for req in done[self._reported :]:
             msgs.append(self._finished(req, now))
             self.requests.pop(req.rid, None)
-        self._reported = len(done)
+        if self.keep_log:
+            self._reported = len(done)
+        else:
+            done.clear()
+            self.scheduler.log.events.clear()
+            self._reported = 0
         kv = self.scheduler.kv
         if self.report_evictions:
             blocks = kv.drain_evicted()

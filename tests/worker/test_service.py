@@ -179,3 +179,25 @@ def test_worker_core_rejection_is_reported() -> None:
     assert core.add(_req("dup"), 0.0)
     with pytest.raises(ValueError):
         core.add(_req("dup"), 0.0)
+
+
+@pytest.mark.parametrize("keep_log", [True, False])
+def test_a_live_worker_forgets_what_it_reported(keep_log: bool) -> None:
+    """keep_log=False (live workers): after each drain the scheduler's log holds nothing, and
+    every request is still reported exactly once. Before, a live worker kept every finished
+    request (its prompt included) and every service event forever: ~12 KB per request."""
+    core = _core(keep_log=keep_log)
+    finished: list[str] = []
+    t = 0.0
+    for wave in range(3):
+        for i in range(5):
+            assert core.add(_req(f"w{wave}-{i}", n_in=8, n_out=4), t)
+        msgs = _drive(core, t)
+        finished += [m.rid for m in msgs if isinstance(m, Finished)]
+        t += 10.0
+    assert sorted(finished) == sorted(f"w{w}-{i}" for w in range(3) for i in range(5))
+    log = core.scheduler.log
+    if keep_log:
+        assert len(log.done) == 15 and log.events
+    else:
+        assert log.done == [] and log.events == []
