@@ -31,6 +31,21 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class KVCopy:
+    """One KV copy between the device pool and host memory (bidirectional blocks' lazy
+    checkpoints): device block ``block`` slots [slot, slot + num_tokens) <-> host slots
+    [host_offset, host_offset + num_tokens). ``to_host``: a checkpoint (device -> host), else
+    a restore (host -> device). A real engine does a batch's copies in order before computing;
+    the simulator charges the restores (``Batch.swap_in_tokens``)."""
+
+    to_host: bool
+    host_offset: int
+    block: int
+    slot: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One engine step: prefill chunks and/or one decode token each (mixed only for
     batch-selecting policies; the default scheduler path emits one kind per step)."""
@@ -40,6 +55,9 @@ class Batch:
     # KV tokens copied host -> device before this step (bidirectional blocks' checkpoints);
     # the copy overlaps the step, so it costs max(step, copy), not the sum.
     swap_in_tokens: int = 0
+    # The copies behind it and any checkpoints this step's allocations made, in the order the
+    # allocator made them (empty unless the scheduler's cache records them: a real engine).
+    kv_copies: tuple[KVCopy, ...] = ()
 
     @property
     def is_prefill(self) -> bool:
