@@ -46,6 +46,7 @@ class Node:
         "owners",
         "version",
         "_in_heap",
+        "slots",
     )
 
     def __init__(self, key: Tokens, parent: Node | None, last_access: int = 0) -> None:
@@ -60,12 +61,12 @@ class Node:
         self.version = 0
         # True while the eviction heap holds an entry for this node (see RadixTree._heap).
         self._in_heap = False
+        # Payload, one entry per key token (exact KV cache: device slots); splits with the edge.
+        self.slots: list[int] | None = None
 
     def __repr__(self) -> str:
-        return (
-            f"Node(key={self.key!r}, lock_ref={self.lock_ref}, "
-            f"last_access={self.last_access}, owners={self.owners!r})"
-        )
+        state = f"lock_ref={self.lock_ref}, last_access={self.last_access}"
+        return f"Node(key={self.key!r}, {state}, owners={self.owners!r})"
 
 
 class MatchResult(NamedTuple):
@@ -80,10 +81,8 @@ class InsertResult(NamedTuple):
 
 
 def _common_len(key: Tokens, tokens: Tokens, start: int) -> int:
-    """Length of the common prefix of ``key`` and ``tokens[start:]``.
-
-    Bisects with slice comparisons (C speed): O(log n) compares instead of n Python steps.
-    """
+    """Common prefix length of ``key`` and ``tokens[start:]``: bisects with slice compares
+    (C speed), O(log n) compares instead of n Python steps."""
     lo, hi = 0, min(len(key), len(tokens) - start)  # key[:lo] == tokens[start:start+lo]
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -303,26 +302,25 @@ class RadixTree:
                     self._push(node)
             node = node.parent
 
-    def evict(self, num_tokens: int) -> list[tuple[Tokens, int]]:
+    def evict(self, num_tokens: int, *, slots: list | None = None) -> list[tuple[Tokens, int]]:
         """Remove LRU unlocked leaves until ``num_tokens`` are freed or none is left.
 
-        Returns ``(path, start)`` per removed node: its full token path from the root and
-        the offset of its key within that path, so ``path[start:]`` are the dropped tokens.
+        Returns ``(path, start)`` per removed node: its token path from the root and its key's
+        offset in it (``path[start:]`` dropped); ``slots`` (a list) gets each one's payload.
         """
         evicted: list[tuple[Tokens, int]] = []
 
         def report(node: Node) -> None:
             path = self._path(node)
             evicted.append((path, len(path) - len(node.key)))
+            if slots is not None:
+                slots.extend(node.slots)
 
         self._evict_lru(num_tokens, report)
         return evicted
 
     def discard_lru(self, num_tokens: int) -> int:
-        """``evict`` for a caller that needs no paths (building them dominates its cost).
-
-        Returns the number of tokens freed.
-        """
+        """``evict`` for a caller that needs no paths (they dominate its cost): tokens freed."""
         return self._evict_lru(num_tokens, None)
 
     def _evict_lru(self, num_tokens: int, report: Callable[[Node], None] | None) -> int:
@@ -428,6 +426,8 @@ class RadixTree:
         upper.lock_ref = child.lock_ref
         upper.owners = set(child.owners)
         upper.children[child.key[at]] = child
+        if child.slots is not None:
+            upper.slots, child.slots = child.slots[:at], child.slots[at:]
         parent.children[upper.key[0]] = upper
         # A match that ended at `parent` and ran partly into this edge may grow through
         # the branch about to be added at `upper`.

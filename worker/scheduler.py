@@ -122,8 +122,11 @@ class Scheduler:
         self.policy = policy
         self.cost = cost  # the iteration cost model, for batch-selecting policies
         self.kv = kv
-        # The allocator may checkpoint a request's KV to host (bidirectional blocks).
-        self._checkpointing = hasattr(kv.allocator, "restore_plan")
+        # Block allocators: decode growth is checked per request (a token count cannot say
+        # whether a block is free), and checkpointed KV (bidirectional) is restored first.
+        self._checkpointing = (
+            hasattr(kv.allocator, "restore_plan") or getattr(kv.allocator, "block_size", 1) > 1
+        )
         # Optional seam: a policy that throttles only under overload (FairServe's OIT) reads
         # the worker's KV usage through this probe.
         attach_load = getattr(policy, "attach_load", None)
@@ -276,7 +279,7 @@ class Scheduler:
                 self._blocked_decode_steps + 1 if self._admission_blocked else 0
             )
             self.stats.num_decode_steps += 1
-            return Batch(decode=tuple(decode), swap_in_tokens=swap_in)
+            return Batch(decode=tuple(decode), swap_in_tokens=swap_in, kv_copies=self._copies())
         self.new_token_ratio = self.config.init_new_token_ratio
         return None
 
@@ -304,7 +307,7 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_tokens
             if not chunk.last:
-                return Batch(prefill=tuple(chunks))
+                return Batch(prefill=tuple(chunks), kv_copies=self._copies())
             # Its prompt completes now; it leaves `chunked`, so _reserved_tokens no longer
             # counts its output: keep it promised (its first token's slot is allocated).
             promised += min(chunk.req.remaining_new_tokens, cfg.clip_max_new_tokens) - 1
@@ -323,7 +326,7 @@ class Scheduler:
         swap_in = 0
         if self._checkpointing:  # an RT admitted after a BE one may have overwritten its slots
             _, swap_in = restore_checkpointed(self, [], chunks, allocated=True)
-        return Batch(prefill=tuple(chunks), swap_in_tokens=swap_in or 0)
+        return Batch(prefill=tuple(chunks), swap_in_tokens=swap_in or 0, kv_copies=self._copies())
 
     def _continue_chunked(self, budget: int) -> PrefillChunk | None:
         req = self.chunked
@@ -422,6 +425,14 @@ class Scheduler:
             )
         self.policy.on_admitted(req, extend if first else 0)
 
+    def _copies(self) -> tuple:
+        """The KV copies this step's allocations and restores made (exact caches only)."""
+        return tuple(self.kv.drain_copies())
+
+    def kv_slots(self, req: Request) -> list[int]:
+        """Flat device KV slots of ``req``'s positions, in order (exact caches only)."""
+        return self.kv.kv_slots(req, self._handles[req])
+
     def checkpointed_slots(self, req: Request) -> int:
         """KV tokens of ``req`` checkpointed to host (0 unless the allocator checkpoints)."""
         fn = getattr(self.kv.allocator, "checkpointed_slots", None)
@@ -511,7 +522,9 @@ class Scheduler:
     def _maybe_finish(self, req: Request) -> bool:
         if not req.done:
             return False
-        handle = self.kv.commit(req, req.all_ids(), self._handles.pop(req))
+        tokens = req.all_ids()  # exact: only computed KV (the last token's never is)
+        tokens = tokens[: req.num_computed] if self.kv.exact else tokens
+        handle = self.kv.commit(req, tokens, self._handles.pop(req))
         self.kv.release(req, handle)
         self.kv.forget(req)
         req.phase = Phase.FINISHED

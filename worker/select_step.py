@@ -69,7 +69,12 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
         sched.stats.num_prefill_tokens += sum(c.num_tokens for c in chunks)
     if decode:
         sched.stats.num_decode_steps += 1
-    return Batch(prefill=tuple(chunks), decode=tuple(decode), swap_in_tokens=swap_in or 0)
+    return Batch(
+        prefill=tuple(chunks),
+        decode=tuple(decode),
+        swap_in_tokens=swap_in or 0,
+        kv_copies=sched._copies(),
+    )
 
 
 def decode_restoring(sched: Scheduler) -> tuple[list[Request], int]:
@@ -125,20 +130,26 @@ def restore_checkpointed(
     Before allocation a decode whose restore does not fit sits this iteration out; after
     it (``allocated``) one that this step's RT growth overwrote and that cannot come
     back is retracted. ``None``: the allocator never checkpoints."""
-    plan = getattr(sched.kv.allocator, "restore_plan", None)
-    if plan is None:
+    if getattr(sched.kv.allocator, "restore_plan", None) is None:
         return decode, None
     ready, swap_in = [], 0
     for req in (*decode, *(c.req for c in chunks)):
         if sched.checkpointed_slots(req):
-            if plan(req) is None:
-                if not allocated:
-                    continue
-                if req in decode:
+            ops = sched.kv.restore(req)  # evicts cached prefixes for room
+            while ops is None and allocated and req not in decode:
+                # Admitted this step and overwritten by a later admission: make room by
+                # retracting a running request (the policy's victim, else SGLang's).
+                pool = [r for r in sched.running if r is not req and r not in decode]
+                if not pool:
+                    raise MemoryError(f"KV pool too small to restore {req}")
+                victim_fn = getattr(sched.policy, "victim", None)
+                sched._retract(victim_fn(pool) if victim_fn else sched._default_victim(pool))
+                ops = sched.kv.restore(req)
+            if ops is None:
+                if allocated and req in decode:
                     sched._retract(req)
-                    continue
-                raise MemoryError(f"cannot restore {req} admitted this step")
-            swap_in += sum(op.num_tokens for op in sched.kv.allocator.restore(req))
+                continue
+            swap_in += sum(op.num_tokens for op in ops)
         if req in decode:
             ready.append(req)
     return ready, swap_in

@@ -24,6 +24,13 @@ A block of S slots holds at most one RT and one BE request; they meet in the mid
   never overwritten, never a victim (the radix tree evicts). Other transfers are refused: they
   would put two requests on one side of a block.
 
+Exact mode (``PrefixKVCache(exact=True)``): ``flat_slots``/``free_slots`` as in ``paged`` (the
+same hole rule: placement starts at a side's innermost end; RT reach and overwrite walk the BE
+pieces by offset, so they see holes between pieces as empty), and ``record_copies`` journals
+every checkpoint (device -> host) and restore as ``engine.KVCopy``, in order, for
+``drain_copies``. RT reach stops at a pinned CACHE piece, so a hole outside one waits for it
+to be evicted (room lost, never a wrong slot).
+
 ``held`` counts resident tokens (checkpointed ones use the host); every empty slot is free
 (``free + Σ held == capacity``), but only the runs around it reach it: ``can_allocate`` (an
 exact dry run of the placement) is the test to use.
@@ -32,10 +39,11 @@ exact dry run of the placement) is the test to use.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sgl_fair.worker.engine import KVCopy
 from sgl_fair.worker.kv.base import CACHE, OutOfMemory
 from sgl_fair.worker.kv.paged import DEFAULT_BLOCK_SIZE, BlockLayout, PagedConfig, Piece, bump
 from sgl_fair.worker.kv.registry import register_allocator
@@ -105,6 +113,27 @@ class BidirectionalAllocator:
         self._free_host = list(range(self.num_host_blocks))  # a heap: lowest id first
         self._ckpt: dict[Hashable, int] = {}
         self._class: dict[Hashable, str] = {}
+        self._copies: list[KVCopy] | None = None  # the copy journal; None: not recording
+
+    def record_copies(self) -> None:
+        """Journal every checkpoint and restore copy from now on (``drain_copies``)."""
+        if self._copies is None:
+            self._copies = []
+
+    def drain_copies(self) -> list[KVCopy]:
+        """Copies since the last call, in the order an engine must do them."""
+        out = self._copies or []
+        if self._copies is not None:
+            self._copies = []
+        return out
+
+    def flat_slots(self, owner: Hashable) -> list[int]:
+        """Resident slots (``block * S + slot``), logical order; checkpointed ones are not."""
+        return self.layout.flat_slots(owner)
+
+    def free_slots(self, owner: Hashable, flat_slots: Iterable[int]) -> None:
+        """Free exactly these resident slots of ``owner`` (holes: module docstring)."""
+        self.layout.release_slots(owner, flat_slots)
 
     @property
     def capacity_tokens(self) -> int:
@@ -180,9 +209,11 @@ class BidirectionalAllocator:
         k: int,
         *,
         request_class: str | None = None,
+        slots: list[int] | None = None,
     ) -> bool:
-        """``can_allocate`` once ``free(freed, k)`` has run, never over-promising: the blocks
-        it would empty count as free; preemption on top of that is not counted."""
+        """``can_allocate`` once ``free(freed, k)`` (``slots``: ``free_slots(freed, slots)``)
+        has run, never over-promising: the blocks it would empty count as free; preemption on
+        top of that is not counted."""
         if self.can_allocate(owner, num_tokens, request_class=request_class):
             return True
         cls = self._checked_class(owner, request_class)
@@ -190,7 +221,7 @@ class BidirectionalAllocator:
             return False
         cur = self.layout.growable(owner, _SIDE[cls])
         room = 0 if cur is None else self.layout.room(cur)
-        num_free = len(self.layout.free_blocks) + self.layout.blocks_freed_by(freed, k)
+        num_free = len(self.layout.free_blocks) + self.layout.blocks_freed_by(freed, k, slots)
         return 0 <= num_tokens <= room + num_free * self.block_size
 
     def allocate(
@@ -266,7 +297,10 @@ class BidirectionalAllocator:
             segs[i : i + 1] = [self.layout.new_piece(owner, b, RIGHT, k) for b, k in grants]
             self._release_host(host)
             bump(self._ckpt, owner, -host.length)
-        return [op for _, _, ops in targets for op in ops]
+        ops = [op for _, _, ops in targets for op in ops]
+        if self._copies is not None:
+            self._copies.extend(KVCopy(False, *op) for op in ops)
+        return ops
 
     def drop(self, owner: Hashable) -> int:
         """Last resort: free all of ``owner`` (device and host); returns the tokens lost."""
@@ -397,6 +431,11 @@ class BidirectionalAllocator:
             segs = self.layout.segs[piece.owner]
             segs.insert(next(i for i, s in enumerate(segs) if s is piece) + 1, host)
             piece.ckpt = host
+        if self._copies is not None:  # its k innermost slots, mirrored in the host block
+            slot = self.block_size - piece.end
+            self._copies.append(
+                KVCopy(True, host.host_block * self.block_size + slot, piece.block, slot, k)
+            )
         host.length += k
         bump(self._ckpt, piece.owner, k)
         self.layout.shrink(piece, k)  # +k empty slots: the RT's grow counted them all as taken

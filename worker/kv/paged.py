@@ -12,8 +12,16 @@ A growing owner fills the room after its last piece (while that piece is innermo
 side), then takes whole free blocks, lowest id first. ``transfer`` re-labels the leading pieces,
 splitting one at the boundary (block 7): no copy, no allocation, so ``PrefixKVCache.commit``
 cannot fail on it. The price: once b leaves, block 7's empty slots are wasted until the cache
-frees its three. The radix cache hands the allocator counts only, so which of CACHE's tokens
-``free(CACHE, n)`` releases is a modelling choice: like every owner's, its last ones.
+frees its three. Counting, the radix cache frees ``free(CACHE, n)``: CACHE's last n tokens
+(a modelling choice). Exact (``PrefixKVCache(exact=True)``), it names the slots:
+``free_slots(owner, flat_slots)`` frees exactly those (flat slot = block * S + slot) and
+``flat_slots(owner)`` lists an owner's, in logical order.
+
+Holes: freeing a run that is not innermost on its side (a request's duplicated *leading*
+tokens, a cached prefix evicted from under a later piece) leaves empty slots below a piece.
+Rule: placement only ever starts at a side's innermost end (``end``), so a hole is never
+filled; it is internal fragmentation until the pieces beyond it go (then ``end`` drops and the
+hole is room again). Pieces may thus start at any offset; every count stays exact.
 
 Accounting: ``num_free_tokens`` counts whole free blocks only (free blocks × S), since only a
 whole block can go to any owner; the empty slots of used blocks are internal fragmentation::
@@ -27,7 +35,8 @@ tokens empties no whole block it can promise what this allocator then refuses (O
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,8 +194,16 @@ class BlockLayout:
         if not sides[0] and not sides[1]:
             self.free_blocks.add(piece.block)
 
-    def blocks_freed_by(self, owner: Hashable, n: int) -> int:
-        """Blocks that ``free(owner, n)`` (its last ``n`` tokens) would empty; no side effects."""
+    def blocks_freed_by(self, owner: Hashable, n: int, slots: list[int] | None = None) -> int:
+        """Blocks that ``free(owner, n)`` (its last ``n`` tokens) would empty; no side effects.
+        ``slots``: ``free_slots(owner, slots)`` instead (exact: slots ``owner`` holds)."""
+        if slots is not None:
+            sides = self.sides
+            per_block = Counter(flat // self.block_size for flat in slots)
+            return sum(
+                k == sum(p.length for p in (*sides[b][0], *sides[b][1]))
+                for b, k in per_block.items()
+            )
         gone: set[int] = set()
         for seg in reversed(self.segs.get(owner, ())):
             if n <= 0:
@@ -197,6 +214,60 @@ class BlockLayout:
         blocks = {p.block for p in self.segs.get(owner, ()) if id(p) in gone}
         sides = self.sides
         return sum(all(id(q) in gone for q in (*sides[b][0], *sides[b][1])) for b in blocks)
+
+    def flat_slots(self, owner: Hashable) -> list[int]:
+        """``owner``'s resident slots as ``block * S + slot``, in logical order."""
+        size = self.block_size
+        return [b * size + s for b, s in self.slot_mapping(owner)]
+
+    def release_slots(self, owner: Hashable, flat_slots) -> None:
+        """Free exactly ``flat_slots`` of ``owner``'s pieces (the module docstring's holes):
+        a piece loses its inner end (``shrink``), its outer end, or a middle run (split in
+        two; a checkpoint continues the inner part)."""
+        size, runs = self.block_size, {}
+        for flat in flat_slots:
+            block, slot = divmod(flat, size)
+            hit = None
+            if 0 <= block < self.num_blocks:
+                for side, off in ((0, slot), (1, size - 1 - slot)):
+                    for p in self.sides[block][side]:
+                        if p.owner == owner and p.start <= off < p.end:
+                            hit = p, off
+            if hit is None:
+                raise ValueError(f"{owner!r} holds no resident slot {flat}")
+            runs.setdefault(id(hit[0]), (hit[0], []))[1].append(hit[1])
+        for piece, offs in runs.values():
+            offs.sort()
+            if len(set(offs)) != len(offs):
+                raise ValueError(f"slot freed twice in {piece}")
+            hi = len(offs)
+            while hi:  # contiguous runs [offs[lo], offs[hi - 1]], innermost first
+                lo = hi - 1
+                while lo and offs[lo - 1] == offs[lo] - 1:
+                    lo -= 1
+                self._cut(piece, offs[lo], offs[hi - 1] + 1)
+                hi = lo
+
+    def _cut(self, piece: Piece, a: int, b: int) -> None:
+        """Free offsets [a, b) of ``piece``."""
+        if b == piece.end:  # its inner end: plain shrink
+            ckpt = piece.ckpt
+            self.shrink(piece, b - a)
+            if not piece.length and ckpt is not None:
+                ckpt.piece = piece.ckpt = None
+        elif a == piece.start:  # its outer end: a hole below the rest
+            piece.start = b
+            self.extend(piece, a - b)
+        else:  # a middle run: the inner part becomes a piece (the checkpoint continues it)
+            inner = Piece(piece.owner, piece.block, piece.side, b, piece.end - b, piece.ckpt)
+            if inner.ckpt is not None:
+                inner.ckpt.piece, piece.ckpt = inner, None
+            segs = self.segs[piece.owner]
+            segs.insert(next(i for i, s in enumerate(segs) if s is piece) + 1, inner)
+            self.sides[piece.block][piece.side].append(inner)
+            piece.length = a - piece.start
+            bump(self.held, piece.owner, a - b)
+            self.num_empty += b - a
 
     def hand_over(self, src: Hashable, dst: Hashable, n: int) -> None:
         """Re-label ``src``'s first ``n`` tokens (all in leading pieces) as ``dst``'s, in place."""
@@ -280,9 +351,12 @@ class PagedAllocator:
     def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
         return 0 <= num_tokens <= self.room(owner) + self.num_free_tokens()
 
-    def can_allocate_after_free(self, owner: Hashable, num_tokens: int, freed: Hashable, k: int):
-        """``can_allocate`` once ``free(freed, k)`` has run (a dry run: nothing changes)."""
-        num_free = len(self.layout.free_blocks) + self.layout.blocks_freed_by(freed, k)
+    def can_allocate_after_free(
+        self, owner: Hashable, num_tokens: int, freed: Hashable, k: int, *, slots=None
+    ) -> bool:
+        """``can_allocate`` once ``free(freed, k)`` has run (a dry run: nothing changes);
+        ``slots``: once ``free_slots(freed, slots)`` has."""
+        num_free = len(self.layout.free_blocks) + self.layout.blocks_freed_by(freed, k, slots)
         return 0 <= num_tokens <= self.room(owner) + num_free * self.block_size
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
@@ -308,6 +382,14 @@ class PagedAllocator:
             k = min(n, piece.length)
             self.layout.shrink(piece, k)
             n -= k
+
+    def free_slots(self, owner: Hashable, flat_slots: Iterable[int]) -> None:
+        """Free exactly these slots (``block * S + slot``) of ``owner`` (holes: module doc)."""
+        self.layout.release_slots(owner, flat_slots)
+
+    def flat_slots(self, owner: Hashable) -> list[int]:
+        """``owner``'s slots (``block * S + slot``) in logical order."""
+        return self.layout.flat_slots(owner)
 
     def transfer(self, src: Hashable, dst: Hashable, num_tokens: int) -> None:
         """Hand ``src``'s first ``num_tokens`` tokens to ``dst`` (after dst's own), in place."""

@@ -20,6 +20,15 @@ simulated worker pays nothing): ``record_evictions``/``drain_evicted`` (evicted 
 for the simulator's ``Evicted`` messages) and ``record_kv_events``/``drain_kv_events``
 (every store, eviction and flush, in order, for SGLang-format KV events; see
 ``sgl_fair.kv_events.KVEventEncoder``).
+
+Exact mode (``exact=True``, for a real engine; off, the simulator's count-only path is
+unchanged): each tree node's ``slots`` holds the flat device slot (``block * block_size +
+slot``) of each of its tokens. ``commit`` frees exactly the owner's duplicated (leading)
+tokens and records the slots it hands to the tree on the new leaf; eviction and ``flush``
+free exactly the evicted nodes' slots; ``kv_slots(owner, handle)`` lists a running request's
+slots in logical order. The allocator needs ``flat_slots``/``free_slots`` (all three have
+them; the token allocator switches to slot ids); checkpointing allocators journal their copies
+for ``drain_copies`` (``Batch.kv_copies``).
 """
 
 from __future__ import annotations
@@ -48,8 +57,18 @@ class KVUsage(NamedTuple):
 
 
 class PrefixKVCache:
-    def __init__(self, allocator: KVAllocator, tree: RadixTree | None = None) -> None:
+    def __init__(
+        self, allocator: KVAllocator, tree: RadixTree | None = None, *, exact: bool = False
+    ) -> None:
         self.allocator = allocator
+        self.exact = exact
+        if exact:
+            if not hasattr(allocator, "free_slots") or (tree is not None and tree.total_tokens):
+                raise ValueError("exact mode needs an allocator with free_slots and an empty tree")
+            for name in ("enable_exact", "record_copies"):
+                fn = getattr(allocator, name, None)
+                if fn is not None:
+                    fn()
         self._classed = hasattr(allocator, "set_class")  # places requests by RT/BE class
         self.tree = tree if tree is not None else RadixTree()
         self.num_evicted_tokens = 0
@@ -87,6 +106,32 @@ class PrefixKVCache:
             return []
         self._kv_events = []
         return out
+
+    def drain_copies(self) -> list:
+        """KV copies (``engine.KVCopy``) the allocator made since the last call, in order
+        (checkpoints and restores; empty unless exact over a checkpointing allocator)."""
+        fn = getattr(self.allocator, "drain_copies", None)
+        return fn() if fn is not None else []
+
+    def kv_slots(self, owner: Hashable, handle: PrefixHandle) -> list[int]:
+        """Exact mode: the flat slots of ``owner``'s positions ``0 .. n-1`` in logical order
+        (n = ``handle.prefix_len`` + its resident private tokens): the tree path to
+        ``handle.node``, then its own (including a slot already allocated for its next token)."""
+        if not self.exact:
+            raise ValueError("kv_slots needs PrefixKVCache(exact=True)")
+        self._check_resident(owner)
+        parts, node = [], handle.node
+        while node is not self.tree.root:
+            parts.append(node.slots)
+            node = node.parent
+        out = [s for part in reversed(parts) for s in part]
+        assert len(out) == handle.prefix_len, "a cached prefix without slots"
+        return out + self.allocator.flat_slots(owner)
+
+    def _check_resident(self, owner: Hashable) -> None:
+        ckpt = getattr(self.allocator, "checkpointed_slots", None)
+        if ckpt is not None and ckpt(owner):
+            raise ValueError(f"{owner!r} has KV on the host: restore it first")
 
     @property
     def capacity_tokens(self) -> int:
@@ -135,7 +180,19 @@ class PrefixKVCache:
         probe = getattr(alloc, "can_allocate_after_free", None)
         if probe is None or not evictable:  # token pools: free + evictable is exact
             return probe is None
+        if self.exact:  # exactly the slots eviction can free, not CACHE's last ones
+            kw["slots"] = self._evictable_slots()
         return probe(owner, num_tokens, CACHE, evictable, **kw)
+
+    def _evictable_slots(self) -> list[int]:
+        """Slots of every unlocked node (an unlocked node's subtree is all unlocked)."""
+        out, stack = [], list(self.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref == 0:
+                out.extend(node.slots)
+            stack.extend(node.children.values())
+        return out
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
         if not self.can_allocate(owner, num_tokens):  # check before evicting anything
@@ -157,15 +214,22 @@ class PrefixKVCache:
             fn(owner)
 
     def _evict(self, num_tokens: int) -> None:
-        blocks = self.tree.evict(num_tokens)
+        slots: list[int] | None = [] if self.exact else None
+        blocks = self.tree.evict(num_tokens, slots=slots)
         freed = sum(len(path) - start for path, start in blocks)
         if self._evicted is not None:
             self._evicted.extend(blocks)
         if self._kv_events is not None:
             self._kv_events.extend([("removed", path, start) for path, start in blocks])
         if freed:
-            self.allocator.free(CACHE, freed)
+            self._free_cached(freed, slots)
             self.num_evicted_tokens += freed
+
+    def _free_cached(self, num_tokens: int, slots: list[int] | None) -> None:
+        if slots is None:
+            self.allocator.free(CACHE, num_tokens)  # counts: CACHE's last tokens
+        else:
+            self.allocator.free_slots(CACHE, slots)
 
     def commit(
         self, owner: Hashable, tokens: tuple[int, ...], handle: PrefixHandle
@@ -178,16 +242,38 @@ class PrefixKVCache:
         res = self.tree.insert(tokens)
         if res.prefix_len < handle.prefix_len:
             raise AssertionError("a locked prefix disappeared from the tree")
-        self.allocator.transfer(owner, CACHE, res.num_new)
+        duplicated = res.prefix_len - handle.prefix_len
+        if self.exact:
+            # Its private tokens are positions prefix_len.. in order: the first `duplicated`
+            # (already in the tree) are freed, the next num_new become the new leaf's.
+            self._check_resident(owner)
+            mine = self.allocator.flat_slots(owner)
+            if duplicated:
+                self.allocator.free_slots(owner, mine[:duplicated])
+            if res.num_new:
+                res.node.slots = mine[duplicated : duplicated + res.num_new]
+                self.allocator.transfer(owner, CACHE, res.num_new)
+        else:
+            self.allocator.transfer(owner, CACHE, res.num_new)
+            if duplicated:
+                self.allocator.free(owner, duplicated)
         if res.num_new and self._kv_events is not None:
             # The insert added tokens[prefix_len:] (prefix_len = len - num_new) as one leaf.
             self._kv_events.append(("stored", tuple(tokens), res.prefix_len))
-        duplicated = res.prefix_len - handle.prefix_len
-        if duplicated:
-            self.allocator.free(owner, duplicated)
         self.tree.lock(res.node)
         self.tree.unlock(handle.node)
         return PrefixHandle(len(tokens), res.node)
+
+    def restore(self, owner: Hashable) -> list | None:
+        """Copy ``owner``'s checkpointed KV back to the device (bidirectional blocks), evicting
+        LRU cached prefixes until the allocator can place it; the copies, or None if even an
+        empty cache leaves no room (the caller then pauses or retracts someone)."""
+        alloc = self.allocator
+        while alloc.restore_plan(owner) is None:
+            if not self.tree.evictable_tokens:
+                return None
+            self._evict(1)  # evicts at least one whole leaf
+        return alloc.restore(owner)
 
     def flush(self) -> bool:
         """Drop every cached prefix, as SGLang's ``/flush_cache``; False if it cannot.
@@ -201,14 +287,16 @@ class PrefixKVCache:
         tree = self.tree
         if tree.locked_tokens or self.usage().private:
             return False
-        if self._evicted is not None:
-            blocks = tree.evict(tree.total_tokens)
-            self._evicted.extend(blocks)
+        slots: list[int] | None = [] if self.exact else None
+        if self._evicted is not None or slots is not None:
+            blocks = tree.evict(tree.total_tokens, slots=slots)
+            if self._evicted is not None:
+                self._evicted.extend(blocks)
             freed = sum(len(path) - start for path, start in blocks)
         else:
             freed = tree.discard_lru(tree.total_tokens)
         if freed:
-            self.allocator.free(CACHE, freed)
+            self._free_cached(freed, slots)
         if self._kv_events is not None:
             self._kv_events.append(("cleared", (), 0))
         return True
@@ -234,3 +322,11 @@ class PrefixKVCache:
         u = self.usage()
         assert min(u) >= 0, f"negative KV state {u}"
         assert sum(u) == self.capacity_tokens, f"{u} does not add up to {self.capacity_tokens}"
+        if self.exact:  # the tree's slots are exactly CACHE's
+            nodes, stack = [], list(self.tree.root.children.values())
+            while stack:
+                nodes.append(stack.pop())
+                stack.extend(nodes[-1].children.values())
+            assert all(n.slots is not None and len(n.slots) == len(n.key) for n in nodes)
+            tree_slots = sorted(s for n in nodes for s in n.slots)
+            assert tree_slots == sorted(self.allocator.flat_slots(CACHE)), "tree slots != CACHE's"
