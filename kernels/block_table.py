@@ -212,3 +212,33 @@ def bidirectional_pieces(
         place(row, side, n, own=True)
         out.append([tuple(p[:4]) for p in row if p[3] > 0])
     return out, len(fill)
+
+
+def pieces_from_slots(flat_slots: Sequence[int], block_size: int) -> list[PieceTuple]:
+    """The pieces ``(block, direction, offset, length)`` of one sequence whose tokens, in
+    logical order, are at ``flat_slots`` (``block * S + slot``): each maximal run of slots
+    that rise by one inside a block is a direction-0 piece, each run that falls by one is a
+    direction-1 piece (a lone slot is direction 0). The inverse of ``slot_indices``."""
+    s = block_size
+    out: list[PieceTuple] = []
+    i, n = 0, len(flat_slots)
+    while i < n:
+        block, first = divmod(int(flat_slots[i]), s)
+        j, step = i + 1, 0
+        if j < n and int(flat_slots[j]) // s == block:
+            step = int(flat_slots[j]) - int(flat_slots[i])
+            step = step if step in (1, -1) else 0
+        if step:
+            while (
+                j < n
+                and int(flat_slots[j]) - int(flat_slots[j - 1]) == step
+                and (int(flat_slots[j]) // s == block)
+            ):
+                j += 1
+        if step == -1:
+            out.append((block, RIGHT, s - 1 - first, j - i))
+        else:
+            j = i + 1 if step == 0 else j
+            out.append((block, LEFT, first, j - i))
+        i = j
+    return out

@@ -2,8 +2,10 @@
 
 The loop is the simulator's, with real sleeping: start a step, wait its modelled duration
 (divided by ``time_scale``; ``inf`` makes a zero-cost engine), meanwhile take in dispatches
-and aborts, then publish its tokens and finishes. Dispatches arriving during a step join the
-queue when it ends, as in SGLang's continuous-batching loop::
+and aborts, then publish its tokens and finishes. With ``backend="torch"`` the engine is a
+real model (``worker/torch_engine``): its step has already taken its time when ``run``
+returns (``synchronous``), so the loop completes it at once. Dispatches arriving during a
+step join the queue when it ends, as in SGLang's continuous-batching loop::
 
     while running:
         poll zmq until the running step is due (or a message comes)
@@ -62,9 +64,52 @@ class LiveWorkerConfig:
     eos_lengths: EosLengths | None = None
     eos_token_id: int | None = None
     text: TextModel | None = None
+    # backend="torch": a real model (``model``: a preset such as "tiny" or a checkpoint
+    # directory), its vocabulary sized to the tokenizer's (``vocab_size``, presets only).
+    backend: str = "sim"
+    vocab_size: int | None = None
+    torch_dtype: str = "float32"
+    torch_device: str = "cpu"
+    torch_attention: str = "reference"
+    torch_threads: int | None = None
+    kv_allocator: str = "token"
+    kv_allocator_opts: dict[str, Any] = field(default_factory=dict)
+
+
+TORCH_DEFAULT_KV_TOKENS = 16384
+
+
+def build_torch_core(cfg: LiveWorkerConfig) -> WorkerCore:
+    """A worker on the torch engine (``backend="torch"``): imports torch here only."""
+    import torch
+
+    from sgl_fair.worker.torch_engine.runner import load_model, make_torch_worker
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    model = load_model(
+        cfg.model, dtype=cfg.torch_dtype, device=cfg.torch_device, vocab_size=cfg.vocab_size
+    )
+    sched, engine = make_torch_worker(
+        policy=make_policy(cfg.policy, **cfg.policy_opts),
+        model=model,
+        allocator=cfg.kv_allocator,
+        allocator_opts=cfg.kv_allocator_opts,
+        kv_tokens=cfg.kv_tokens or TORCH_DEFAULT_KV_TOKENS,
+        config=cfg.scheduler,
+        attention=cfg.torch_attention,
+        eos_token_id=cfg.eos_token_id,
+        vocab_limit=cfg.vocab_size,
+    )
+    return WorkerCore(
+        cfg.wid, sched, engine, load_interval_s=cfg.load_interval_s, report_evictions=False,
+        kv_changes=True, keep_log=False,
+    )  # fmt: skip
 
 
 def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
+    if cfg.backend == "torch":
+        return build_torch_core(cfg)
     cost = CostModel.from_names(cfg.gpu, cfg.model, tp=cfg.tp)
     sched, engine = make_sim_worker(
         policy=make_policy(cfg.policy, **cfg.policy_opts),
@@ -108,6 +153,10 @@ class LiveWorker:
         if not scale > 0:
             raise ValueError(f"time_scale must be > 0 (got {scale})")
         self._wall_per_sim = 0.0 if math.isinf(scale) else 1.0 / scale
+        # A real engine's step has taken its time when run() returns: do not wait it again.
+        self.synchronous = bool(getattr(self.core.engine, "synchronous", False))
+        if self.synchronous:
+            self._wall_per_sim = 0.0
 
     # ---- io ---------------------------------------------------------------------------------
 
@@ -133,9 +182,10 @@ class LiveWorker:
 
     def natural_end(self, req: Request) -> Request:
         """Where the simulated model stops on its own: at its drawn EOS length if that comes
-        before ``max_new_tokens``, unless the request asked to ``ignore_eos``."""
+        before ``max_new_tokens``, unless the request asked to ``ignore_eos``. A real model
+        stops where it samples EOS."""
         eos = self.cfg.eos_lengths
-        if eos is None or (req.sampling or {}).get("ignore_eos"):
+        if eos is None or self.synchronous or (req.sampling or {}).get("ignore_eos"):
             return req
         req.output_len = min(req.output_len, eos.length(req.rid))
         return req
@@ -181,7 +231,7 @@ class LiveWorker:
                 time.time(),
                 os.getpid(),
                 core.scheduler.kv.capacity_tokens,
-                f"sim {self.cfg.gpu} {self.cfg.model}",
+                self.engine_name(),
             )
         )
         result = None
@@ -208,6 +258,11 @@ class LiveWorker:
             if os.getppid() != self.parent:  # the launcher is gone: do not linger
                 log.error("worker %d: parent process exited; stopping", self.cfg.wid)
                 break
+
+    def engine_name(self) -> str:
+        if self.cfg.backend == "torch":
+            return f"torch {self.cfg.model} ({self.cfg.torch_attention}, {self.cfg.torch_dtype})"
+        return f"sim {self.cfg.gpu} {self.cfg.model}"
 
     def close(self) -> None:
         for sock in (self.inbox, self.outbox, self.kv_pub):

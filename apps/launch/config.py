@@ -68,6 +68,12 @@ class LaunchConfig:
     # (<= N with low_priority_values_first, SGLang's --schedule-low-priority-values-first).
     rt_priority_threshold: int | None = None
     low_priority_values_first: bool = False
+    # --backend torch: a real model in plain torch (worker/torch_engine); `model` is a preset
+    # ("tiny") or a local Hugging Face Llama checkpoint directory
+    torch_dtype: str = "float32"
+    torch_device: str = "cpu"
+    torch_attention: str = "reference"
+    kv_allocator: str = "token"
 
 
 def _kv(items: Sequence[str], flag: str) -> dict[str, Any]:
@@ -136,10 +142,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument(
-        "--backend", choices=("sim", "sglang"), default=None,
-        help="engine: 'sim' (simulated GPU; the default) or 'sglang' (real SGLang servers; "
-        "implied by --worker-url). With sglang, flags this launcher does not know are passed "
-        "to every SGLang server it starts",
+        "--backend", choices=("sim", "sglang", "torch"), default=None,
+        help="engine: 'sim' (simulated GPU; the default), 'sglang' (real SGLang servers; "
+        "implied by --worker-url) or 'torch' (a Llama model in plain torch in each worker: "
+        "--model tiny or a checkpoint directory). With sglang, flags this launcher does not "
+        "know are passed to every SGLang server it starts",
+    )  # fmt: skip
+    p.add_argument(
+        "--torch-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+        help="torch: the model's dtype",
+    )  # fmt: skip
+    p.add_argument(
+        "--torch-device", default="cpu", help="torch: where the model runs (cpu, cuda, cuda:1)"
+    )
+    p.add_argument(
+        "--torch-attention", default="reference", choices=("reference", "triton"),
+        help="torch: attention over the paged KV (reference: plain torch; triton: the "
+        "bidirectional paged kernels, CUDA)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-allocator", default="token", choices=("token", "paged", "bidirectional"),
+        help="torch: the KV allocator (bidirectional: BROS blocks with host checkpoints)",
     )  # fmt: skip
     p.add_argument(
         "--worker-url", action="append", default=[], metavar="URL",
@@ -160,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="sglang: a server whose /health fails this long is taken out of routing",
     )  # fmt: skip
     p.add_argument("--gpu", default="H100-80GB", help="sim: " + ", ".join(GPUS))
-    p.add_argument("--model", default="Llama-3.1-8B", help="sim: " + ", ".join(MODELS))
+    p.add_argument(
+        "--model", default=None,
+        help="sim: " + ", ".join(MODELS) + " (default Llama-3.1-8B); torch: tiny (the default) "
+        "or a local Hugging Face Llama checkpoint directory",
+    )  # fmt: skip
     p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=None)
     p.add_argument("--kv-tokens", type=int, default=None, help="sim: KV pool per worker (tokens)")
     p.add_argument(
@@ -249,6 +276,13 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         parser.error(msg)  # exits 2 with the usage line and the message
 
     backend = a.backend or ("sglang" if a.worker_url else "sim")
+    if a.model is None:
+        a.model = "tiny" if backend == "torch" else "Llama-3.1-8B"
+    model_path = a.model_path
+    if backend == "torch":
+        _check_torch(a, bad)
+        if model_path is None and os.path.isdir(a.model):
+            model_path = a.model  # the checkpoint's own tokenizer
     if passthrough and backend != "sglang":
         bad("unrecognized arguments: " + " ".join(passthrough))
     dp = _check_sglang(a, backend, passthrough, bad)
@@ -283,14 +317,15 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         get_gpu(a.gpu)
     except (KeyError, ValueError):
         bad(f"--gpu {a.gpu!r} is unknown; choose from {sorted(GPUS)}")
-    try:
-        get_model(a.model)
-    except (KeyError, ValueError):
-        bad(f"--model {a.model!r} is unknown; choose from {sorted(MODELS)}")
-    try:
-        CostModel.from_names(a.gpu, a.model, tp=a.tp if backend == "sim" else None)
-    except ValueError as e:
-        bad(f"--gpu/--model/--tp: {e}")
+    if backend != "torch":
+        try:
+            get_model(a.model)
+        except (KeyError, ValueError):
+            bad(f"--model {a.model!r} is unknown; choose from {sorted(MODELS)}")
+        try:
+            CostModel.from_names(a.gpu, a.model, tp=a.tp if backend == "sim" else None)
+        except ValueError as e:
+            bad(f"--gpu/--model/--tp: {e}")
     if a.tp is not None and a.tp < 1:
         bad(f"--tp must be >= 1 (got {a.tp})")
     if a.context_length is not None and a.context_length < 2:
@@ -335,7 +370,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         dp=dp,
         host=a.host,
         port=a.port,
-        model_path=a.model_path,
+        model_path=model_path,
         served_model_name=a.served_model_name,
         schedule_policy=a.schedule_policy,
         schedule_policy_opts=sched_opts,
@@ -373,7 +408,29 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         health_check_timeout_s=a.health_check_timeout,
         rt_priority_threshold=a.rt_priority_threshold,
         low_priority_values_first=a.schedule_low_priority_values_first,
+        torch_dtype=a.torch_dtype,
+        torch_device=a.torch_device,
+        torch_attention=a.torch_attention,
+        kv_allocator=a.kv_allocator,
     )
+
+
+TORCH_PRESETS = ("tiny",)  # worker/torch_engine/model.py's PRESETS (checked by its tests)
+
+
+def _check_torch(a: argparse.Namespace, bad: Any) -> None:
+    """The --backend torch flags' checks (torch itself is imported by the workers only)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        bad("--backend torch needs torch (pip install -e '.[kernels]')")
+    if a.model not in TORCH_PRESETS and not os.path.isdir(a.model):
+        bad(f"--model {a.model!r}: --backend torch takes {', '.join(TORCH_PRESETS)} or a local "
+            "Hugging Face Llama checkpoint directory (config.json + *.safetensors)")  # fmt: skip
+    if a.tp not in (None, 1):
+        bad("--backend torch runs one device per worker (no --tp)")
+    if a.torch_attention == "triton" and not a.torch_device.startswith("cuda"):
+        bad("--torch-attention triton needs --torch-device cuda")
 
 
 def _check_sglang(a: argparse.Namespace, backend: str, passthrough: list[str], bad: Any) -> int:

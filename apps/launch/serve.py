@@ -88,8 +88,21 @@ class ProcessGroup:
 
 
 def sim_worker_configs(cfg: LaunchConfig, state: Any) -> list[Any]:
-    """One ``LiveWorkerConfig`` per simulated worker (``--backend sim``)."""
+    """One ``LiveWorkerConfig`` per in-process worker (``--backend sim`` or ``torch``)."""
     from sgl_fair.worker.live import LiveWorkerConfig
+
+    torch_opts: dict[str, Any] = {}
+    if cfg.backend == "torch":
+        torch_opts = dict(
+            backend="torch",
+            vocab_size=state.tokenizer.vocab_size,
+            torch_dtype=cfg.torch_dtype,
+            torch_device=cfg.torch_device,
+            torch_attention=cfg.torch_attention,
+            # the workers share the host's cores
+            torch_threads=max(1, (os.cpu_count() or 1) // cfg.dp),
+            kv_allocator=cfg.kv_allocator,
+        )
 
     sched = SchedulerConfig(
         max_running_requests=cfg.max_running_requests,
@@ -106,7 +119,7 @@ def sim_worker_configs(cfg: LaunchConfig, state: Any) -> list[Any]:
             gpu=cfg.gpu,
             model=cfg.model,
             tp=cfg.tp,
-            kv_tokens=cfg.kv_tokens,
+            kv_tokens=torch_kv_tokens(cfg) if cfg.backend == "torch" else cfg.kv_tokens,
             scheduler=sched,
             time_scale=cfg.time_scale,
             token_range=state.tokenizer.output_token_range,
@@ -115,9 +128,28 @@ def sim_worker_configs(cfg: LaunchConfig, state: Any) -> list[Any]:
             eos_lengths=cfg.sim_eos,
             eos_token_id=state.tokenizer.eos_token_id,
             text=text_model(state.tokenizer) if cfg.sim_text else None,
+            **torch_opts,
         )
         for i in range(cfg.dp)
     ]
+
+
+def torch_context_len(model: str) -> int:
+    """A checkpoint's ``max_position_embeddings`` (the tiny preset: 8192)."""
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):
+        import json
+
+        with open(path) as f:
+            return int(json.load(f).get("max_position_embeddings", 8192))
+    return 8192
+
+
+def torch_kv_tokens(cfg: LaunchConfig) -> int:
+    """The torch workers' KV pool (tokens): --kv-tokens, else the worker's default."""
+    from sgl_fair.worker.live import TORCH_DEFAULT_KV_TOKENS
+
+    return cfg.kv_tokens or TORCH_DEFAULT_KV_TOKENS
 
 
 def text_model(tokenizer: Any) -> TextModel:
@@ -180,9 +212,13 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         log.warning("no --worker-kv-endpoint: the router tracks the servers' caches by guess")
     ipc_dir = tempfile.mkdtemp(prefix="sgl-fair-")
     # The sim model's numbers; a real engine's replace them (ServerState.adopt_engine_limits).
-    cost = CostModel.from_names(cfg.gpu, cfg.model, tp=cfg.tp if not sglang else None)
-    kv_cap = cfg.kv_tokens if cfg.kv_tokens is not None else cost.kv_capacity_tokens()
-    context_len = cfg.context_length or cost.model.context_len
+    if cfg.backend == "torch":  # the workers' pools; a preset's 8192 positions at most
+        kv_cap = torch_kv_tokens(cfg)
+        context_len = min(cfg.context_length or torch_context_len(cfg.model), kv_cap)
+    else:
+        cost = CostModel.from_names(cfg.gpu, cfg.model, tp=cfg.tp if not sglang else None)
+        kv_cap = cfg.kv_tokens if cfg.kv_tokens is not None else cost.kv_capacity_tokens()
+        context_len = cfg.context_length or cost.model.context_len
     state = ServerState.create(
         cfg,
         tokenizer=tokenizer,
