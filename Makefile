@@ -7,7 +7,7 @@ SGL_STAMP := $(VENV)/.sglang-cpu
 SGL_REQ := requirements/sglang-cpu.txt
 SGL_CONSTRAINTS := requirements/sglang-cpu-constraints.txt
 
-.PHONY: setup sglang-cpu test demo bench lint clean
+.PHONY: setup sglang-cpu test demo demo-bros bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,9 @@ test: $(STAMP) $(SGL_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m sgl_fair.demo
+
+demo-bros: $(STAMP)
+	$(BIN)/python -m sgl_fair.demo bros
 
 bench: $(STAMP) $(SGL_STAMP)
 	$(BIN)/python bench/run_all.py

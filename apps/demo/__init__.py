@@ -7,6 +7,9 @@
 3. the fairness table: per tenant programs, calls, tokens, service share and program latency
    P50/P99; throughput and Jain's index; then the server shuts down.
 
+``python -m sgl_fair.demo bros`` (``make demo-bros``) is the second demo: real-time chat
+beside a best-effort batch job, FCFS vs BROS (``demo/bros.py``).
+
 Flags: ``--duration S``, ``--dp N``, ``--router-policy``/``--schedule-policy`` (compare e.g.
 ``--router-policy rr --schedule-policy lpm``), ``--gpu``, ``--model``, ``--rate-scale``,
 ``--out DIR``.
@@ -53,6 +56,11 @@ def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: flo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bros"]:  # make demo-bros: RT chat beside a BE batch job (demo/bros.py)
+        from sgl_fair.demo.bros import main as bros_main
+
+        return bros_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m sgl_fair.demo", description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--dp", type=int, default=4)

@@ -32,8 +32,14 @@ from sgl_fair.workloads.arrivals import Poisson
 from sgl_fair.workloads.lengths import LogNormal
 from sgl_fair.workloads.traces import ClientSpec, generate
 
-GPU, MODEL = "A100-80GB", "Llama-2-7B"
-RATES = (1.0, 2.0, 4.0, 6.0, 8.0)  # RT requests per second
+# The paper's Llama-3-70B setting (TP 8 on 8×A100-80GB, RT Poisson up to 15 req/s; SPEC §7).
+# Session 5 ran Llama-2-7B on one A100 at 1–8 req/s: underloaded (TPOT attainment 1.0
+# everywhere), so every policy looked alike.
+GPU, MODEL, TP = "A100-80GB", "Llama-3-70B", 8
+RATES = (3.0, 6.0, 9.0, 12.0, 15.0)  # RT requests per second
+# Ablation row: BROS with SPEC §5's literal B0 = 8 (the default starts B at the scheduler's
+# max_running_requests; sgl_fair/policies/bros.py says why).
+B0_8 = {"b0": 8}
 BE_BATCH = 32  # requests per BE batch
 SHAREGPT_IN = LogNormal(mean=260, sigma=1.0, lo=4, hi=2048)
 SHAREGPT_OUT = LogNormal(mean=190, sigma=0.9, lo=4, hi=1024)
@@ -165,7 +171,7 @@ def run_one(
     kv_tokens: int | None = None,
     options: dict | None = None,
 ) -> dict[str, Any]:
-    cost_model = CostModel.from_names(GPU, MODEL)
+    cost_model = CostModel.from_names(GPU, MODEL, TP)
     allocator_opts = {"block_size": BLOCK_SIZE}
     sched, engine = make_sim_worker(
         policy=make_policy(policy, **(options or {})),
@@ -178,7 +184,8 @@ def run_one(
     rt = rt_requests(rate, duration_s, seed)
     wall0 = time.perf_counter()
     out = drive_hybrid(sched, engine, rt, BEJob(seed), duration_s)
-    row = {"policy": policy, "rate": rate, **rt_metrics(rt)}
+    label = policy if options != B0_8 else f"{policy}-b0-8"
+    row = {"policy": label, "rate": rate, **rt_metrics(rt)}
     row["be_throughput_req_s"] = out["be_throughput_req_s"]
     row["be_throughput_tok_s"] = out["be_throughput_tok_s"]
     row["num_retractions"] = sched.stats.num_retractions
@@ -222,7 +229,10 @@ def hybrid_claims(rows: Sequence[dict]) -> list[dict[str, Any]]:
 
 def run_hybrid(quick: bool, seed: int) -> dict[str, Any]:
     duration = 20.0 if quick else 120.0
-    rows = [run_one(p, rate, duration, seed) for rate in RATES for p in ("fcfs", "rr", "bros")]
+    rows = []
+    for rate in RATES:
+        rows += [run_one(p, rate, duration, seed) for p in ("fcfs", "rr", "bros")]
+        rows.append(run_one("bros", rate, duration, seed, options=B0_8))
     return _result(EXPERIMENTS["bros-hybrid"], quick, seed, duration, rows, hybrid_claims(rows))
 
 
@@ -264,7 +274,7 @@ class _View:
 def selection_time_ms(num_rt: int = 512, num_be: int = 512, repeats: int = 20) -> float:
     """Median ``select_batch`` time on ``num_rt`` + ``num_be`` candidates (half decoding)."""
     rng = random.Random(0)
-    cost = CostModel.from_names(GPU, MODEL).step_time
+    cost = CostModel.from_names(GPU, MODEL, TP).step_time
     cands = []
     for i in range(num_rt + num_be):
         cls = ServiceClass.RT if i < num_rt else ServiceClass.BE
@@ -314,7 +324,7 @@ def _result(exp: BrosExperiment, quick, seed, duration, rows, claims) -> dict[st
         "quick": quick,
         "seed": seed,
         "duration_s": duration,
-        "worker": {"gpu": GPU, "model": MODEL, "block_size": BLOCK_SIZE},
+        "worker": {"gpu": GPU, "model": MODEL, "tp": TP, "block_size": BLOCK_SIZE},
         "rows": rows,
         "claims": claims,
         "all_claims_passed": all(c["passed"] for c in claims),
@@ -327,7 +337,8 @@ EXPERIMENTS: dict[str, BrosExperiment] = {
         BrosExperiment(
             "bros-hybrid",
             "BROS Fig. 10-11",
-            "RT chat at 5 Poisson rates beside closed-loop BE batches: fcfs vs rr vs bros.",
+            "RT chat at 5 Poisson rates beside closed-loop BE batches: fcfs vs rr vs bros "
+            "(and bros-b0-8: SPEC's literal B0 = 8, an ablation of the adaptive B).",
             run_hybrid,
         ),
         BrosExperiment(

@@ -87,7 +87,7 @@ def test_be_never_pushes_rt_past_its_deadline():
 
 
 def test_early_return_resets_b_and_skips_be():
-    bros = make_policy("bros")
+    bros = make_policy("bros", b0=8)
     bros.batch_limit = 20
     view = FakeView(now=1.0)
     urgent = req("u", RT, arrival=0.625)  # 25 ms left: room for one 20 ms prefill only
@@ -99,8 +99,20 @@ def test_early_return_resets_b_and_skips_be():
     assert bros.num_early_returns == 1
 
 
-def test_b_grows_by_one_without_early_return_up_to_the_engine_max():
+def test_default_b0_is_the_engine_max():
+    """b0=None (the default): B starts and resets at max_running_requests, never below."""
     bros = make_policy("bros")
+    view = FakeView(now=1.0, max_running=12)
+    urgent = req("u", RT, arrival=0.625)
+    other = req("o", RT, arrival=0.99)
+    bros.select_batch([urgent, other], view, linear_cost)  # early return
+    assert bros.num_early_returns == 1 and bros.batch_limit == 12
+    rts = [req(f"r{i}", RT, arrival=0.99) for i in range(20)]
+    assert len(bros.select_batch(rts, view, linear_cost)) <= 12
+
+
+def test_b_grows_by_one_without_early_return_up_to_the_engine_max():
+    bros = make_policy("bros", b0=8)
     view = FakeView(now=1.0, max_running=10)
     rts = [req(f"r{i}", RT, arrival=0.99) for i in range(3)]
     for expect in (9, 10, 10):
