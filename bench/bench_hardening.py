@@ -9,10 +9,11 @@ round 1 did.
 
 ``soak``: ``--minutes`` (default 30) of steady mixed traffic from four tenants — short chats,
 long prompts with shared prefixes, streams, clients that disconnect mid-stream, a burst every
-minute — against ``launch --dp 2``; RSS of the router and of each worker is sampled every
-10 s. The figure: RSS after warm-up (the first 10 % of the run) vs at the end, and the
-least-squares slope in MB per 10 minutes over the rest. Flat means the slope is within noise
-(< 2 MB / 10 min) and no request failed with a 5xx.
+minute — against ``launch --dp 2`` (``--server-arg=--flag`` adds launcher flags); RSS of the
+router and of each worker is sampled every 10 s, with the router's tree size and the workers'
+cached tokens (``/metrics``). The figure: RSS after warm-up (the first 10 % of the run) vs at
+the end, and the least-squares slope in MB per 10 minutes over the rest. Flat means the slope
+is within noise (< 2 MB / 10 min) once the caches are full, and no request failed with a 5xx.
 
 ``sockets``: ``--sockets`` (default 20,000) connections opened by two client processes —
 half idle, half slowloris (a header line every 2 s, never finishing) — against ``launch --dp 2``
@@ -167,7 +168,11 @@ async def soak(server: Server, minutes: float) -> dict:
 
         async def sample() -> None:
             while time.perf_counter() < end:
-                samples.append((time.perf_counter() - t0, rss_mb(server)))
+                point = rss_mb(server)
+                with contextlib.suppress(aiohttp.ClientError, ValueError):
+                    async with http.get(server.url + "/metrics") as r:
+                        point.update(_gauges(await r.text()))
+                samples.append((time.perf_counter() - t0, point))
                 await asyncio.sleep(10)
 
         await asyncio.gather(
@@ -176,14 +181,30 @@ async def soak(server: Server, minutes: float) -> dict:
         )  # fmt: skip
     warm = [s for s in samples if s[0] >= 0.1 * minutes * 60] or samples
     report = {}
-    for key in samples[-1][1]:
+    curve = [
+        {"t_min": round(t / 60, 1), **{k: round(v, 1) for k, v in s.items()}}
+        for t, s in samples[:: max(1, len(samples) // 15)]
+    ]
+    for key in (k for k in samples[-1][1] if k in ("router",) or k.startswith("worker")):
         xs = [t for t, s in warm if key in s]
         ys = [s[key] for _, s in warm if key in s]
         report[key] = {
             "after_warmup_mb": round(ys[0], 1), "end_mb": round(ys[-1], 1),
             "max_mb": round(max(ys), 1), "slope_mb_per_10min": round(_slope(xs, ys) * 600, 2),
         }  # fmt: skip
-    return {"minutes": minutes, "statuses": dict(statuses), "rss": report}
+    return {"minutes": minutes, "statuses": dict(statuses), "rss": report, "curve": curve}
+
+
+def _gauges(text: str) -> dict[str, float]:
+    """The cache sizes a flat-RSS claim depends on: the router's tree, each worker's cache."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("sgl_fair_router_tree_tokens "):
+            out["tree_ktok"] = float(line.split()[-1]) / 1e3
+        elif line.startswith("sgl_fair_worker_kv_cached_tokens{"):
+            w = line.split('worker="')[1].split('"')[0]
+            out[f"cached_ktok{w}"] = float(line.split()[-1]) / 1e3
+    return out
 
 
 def _hold_sockets(port: int, n: int, slow: bool, conn, seconds: float) -> None:
@@ -289,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     b.add_argument("--rounds", type=int, default=2)
     s = sub.add_parser("soak")
     s.add_argument("--minutes", type=float, default=30.0)
+    s.add_argument("--server-arg", action="append", default=[], help="a launcher flag")
     k = sub.add_parser("sockets")
     k.add_argument("--sockets", type=int, default=20_000)
     a = ap.parse_args(argv)
@@ -307,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result, indent=2))
         return result
     else:
-        server = Server("--dp", "2", "--schedule-policy", "vtc")
+        server = Server("--dp", "2", "--schedule-policy", "vtc", *a.server_arg)
         run = soak(server, a.minutes)
     try:
         result = asyncio.run(run)

@@ -79,6 +79,7 @@ class ServerState:
             max_tree_tokens=cfg.max_tree_tokens,
         )
         telemetry = Telemetry()
+        telemetry.watch_tree(router.tree)
         service = RouterService(
             router,
             Endpoints.ipc(ipc_dir),

@@ -121,6 +121,11 @@ class Telemetry:
             "Generation requests being served (admitted, not answered)",
             registry=r,
         )
+        self.tree_tokens = Gauge(
+            p + "router_tree_tokens",
+            "Tokens in the router's global radix tree (capped by max_tree_tokens)",
+            registry=r,
+        )
         self._max_lag_s = 0.0
         self.loop_lag_max_s = Gauge(
             p + "router_loop_lag_max_seconds",
@@ -199,6 +204,10 @@ class Telemetry:
     def track_admission(self, admission: Any) -> None:
         """Export the admission middleware's queue."""
         self.queued.set_function(lambda: admission.num_active)
+
+    def watch_tree(self, tree: object) -> None:
+        """Export the global tree's size (read at scrape time)."""
+        self.tree_tokens.set_function(lambda: tree.total_tokens)
 
     def worker_restarted(self, worker: int) -> None:
         self.restarts.labels(str(worker)).inc()

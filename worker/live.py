@@ -119,6 +119,8 @@ def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
         token_range=cfg.token_range,
         text=cfg.text,
         eos_token_id=cfg.eos_token_id if cfg.eos_lengths is not None else None,
+        allocator=cfg.kv_allocator,
+        allocator_opts=cfg.kv_allocator_opts,
     )
     return WorkerCore(
         cfg.wid,

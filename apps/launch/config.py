@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--kv-allocator", default="token", choices=("token", "paged", "bidirectional"),
-        help="torch: the KV allocator (bidirectional: BROS blocks with host checkpoints)",
+        help="the workers' KV allocator, sim and torch (paged: blocks of 16 tokens; "
+        "bidirectional: BROS blocks, RT from the left, BE from the right, host checkpoints)",
     )  # fmt: skip
     p.add_argument(
         "--worker-url", action="append", default=[], metavar="URL",

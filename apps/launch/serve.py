@@ -101,8 +101,8 @@ def sim_worker_configs(cfg: LaunchConfig, state: Any) -> list[Any]:
             torch_attention=cfg.torch_attention,
             # the workers share the host's cores
             torch_threads=max(1, (os.cpu_count() or 1) // cfg.dp),
-            kv_allocator=cfg.kv_allocator,
         )
+    torch_opts["kv_allocator"] = cfg.kv_allocator  # the sim's scheduler runs on it too
 
     sched = SchedulerConfig(
         max_running_requests=cfg.max_running_requests,
