@@ -31,13 +31,15 @@ object the simulator charges, ``T_iter = cost(prefill_chunks=..., decode_context
   B at the scheduler's ``max_running_requests``; ``b0=8`` is the literal reading, kept as
   an option and as the experiment's ablation row.
 
-Swap-in time of checkpointed blocks (overlapped, ``max``'ed into ``T_iter``) is not in the
-cost callable yet; the order by checkpointed slots is.
+Swap-in time of checkpointed blocks is in ``T_iter`` when the cost callable takes
+``swap_in_tokens`` (the simulator's ``CostModel.step_time`` does: the copy overlaps the step,
+``max``'ed, SPEC §5): each chosen request with KV on the host adds its checkpointed slots.
 """
 
 from __future__ import annotations
 
 import heapq
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +83,8 @@ class BROS(BasePolicy):
         self.inner = None if cfg.inner == "none" else make_policy(cfg.inner, **cfg.inner_options)
         self._t_last: dict[int, float] = {}  # id(req) -> time of its last token
         self._fresh: list[Request] = []  # got tokens in the last step: t_last = next now
+        self._cost: Callable[..., float] | None = None  # the last cost callable seen ...
+        self._cost_swap = False  # ... and whether it prices swap-in
 
     # ---------------------------------------------------------------- events
 
@@ -152,7 +156,9 @@ class BROS(BasePolicy):
         self._fresh.clear()
         if not candidates:
             return []
-        batch = _Batch(cost, view)
+        if cost is not self._cost:  # the scheduler passes the same callable every iteration
+            self._cost, self._cost_swap = cost, _takes_swap_in(cost)
+        batch = _Batch(cost, view, self._cost_swap)
         rt, be = [], []
         for r in candidates:
             (rt if r.service_class is ServiceClass.RT else be).append(r)
@@ -233,16 +239,32 @@ class BROS(BasePolicy):
             self.batch_limit = min(self.batch_limit + cfg.b_step, max(top, b0))
 
 
-def _free_iteration(*, prefill_chunks=(), decode_context_lens=()) -> float:
+def _free_iteration(*, prefill_chunks=(), decode_context_lens=(), swap_in_tokens=0) -> float:
     return 0.0
+
+
+def _takes_swap_in(cost: Callable[..., float]) -> bool:
+    """Whether the cost callable prices overlapped swap-in (``swap_in_tokens=``)."""
+    try:
+        params = inspect.signature(cost).parameters
+    except (TypeError, ValueError):
+        return False
+    return "swap_in_tokens" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
 
 
 class _Batch:
     """The batch under construction and its ``T_iter`` (cost callable, re-evaluated on demand)."""
 
-    def __init__(self, cost: Callable[..., float], view: SchedulerView) -> None:
+    def __init__(
+        self, cost: Callable[..., float], view: SchedulerView, swap_ok: bool = False
+    ) -> None:
         self.cost = cost
         self.view = view
+        checkpointed = getattr(view, "checkpointed_slots", None) if swap_ok else None
+        self._ckpt = checkpointed  # KV tokens a request has on the host (None: not counted)
+        self._swap: dict[int, int] = {}  # id(req) -> tokens to swap in before it runs
         self.items: list[Request] = []
         self._chunks: dict[int, tuple[int, int]] = {}  # id(req) -> prefill chunk
         self._decodes: dict[int, int] = {}  # id(req) -> context length
@@ -263,22 +285,34 @@ class _Batch:
             self._chunks[id(req)] = chunk
         else:
             self._decodes[id(req)] = ctx
+        if self._ckpt is not None:
+            n = self._ckpt(req)
+            if n:
+                self._swap[id(req)] = n
 
     def remove(self, req: Request) -> None:
         self.items.remove(req)
         self._chunks.pop(id(req), None)
         self._decodes.pop(id(req), None)
+        self._swap.pop(id(req), None)
 
     def time(self, extra: Request | None = None, without: Request | None = None) -> float:
         gone = -1 if without is None else id(without)
         chunks = [v for k, v in self._chunks.items() if k != gone]
         decodes = [v for k, v in self._decodes.items() if k != gone]
+        swap = sum(v for k, v in self._swap.items() if k != gone)
         if extra is not None:
             chunk, ctx = self._work(extra)
             if chunk is not None:
                 chunks.append(chunk)
             else:
                 decodes.append(ctx)
+            if self._ckpt is not None:
+                swap += self._ckpt(extra)
+        if swap:
+            return self.cost(
+                prefill_chunks=chunks, decode_context_lens=decodes, swap_in_tokens=swap
+            )
         return self.cost(prefill_chunks=chunks, decode_context_lens=decodes)
 
     def time_with(self, req: Request, without: Request | None = None) -> float:

@@ -331,3 +331,25 @@ def test_aborting_a_checkpointed_be_request_drops_its_host_copy():
     assert_finished_exactly([r for r in reqs if r not in aborted])
     assert kv.allocator.host_used_tokens() == 0
     assert not kv.allocator._class
+
+
+def test_t_iter_counts_the_swap_in_of_checkpointed_be_requests():
+    """T_iter = max(compute, swap-in) when the cost prices swap-in (the simulator's does): a
+    BE request whose checkpointed KV takes longer to copy back than the RT deadline allows
+    stays out; the same request with nothing on the host joins."""
+    cm = CostModel.from_names("A100-80GB", "Llama-2-7B")
+    view = FakeView(now=1.0)
+    rt = req("r", RT, arrival=0.0, decoded=3)
+    be = req("b", BE, decoded=2)
+    bros = make_policy("bros")
+    bros._t_last[id(rt)] = 0.95  # 150 ms to the next token's deadline
+    assert bros.select_batch([rt, be], view, cm.step_time) == [rt, be]
+    # Llama-2-7B's KV is 512 KiB a token, copied at 25 GB/s: 20,000 tokens ≈ 0.4 s > 150 ms.
+    view.slots = {"b": 20_000}
+    swap_s = cm.step_time(decode_context_lens=[be.seq_len], swap_in_tokens=20_000)
+    assert swap_s > 0.15 > cm.step_time(decode_context_lens=[be.seq_len])
+    bros2 = make_policy("bros")
+    bros2._t_last[id(rt)] = 0.95
+    assert bros2.select_batch([rt, be], view, cm.step_time) == [rt]
+    # A cost callable that does not price swap-in is called as before.
+    assert bros2.select_batch([rt, be], view, linear_cost) == [rt, be]

@@ -137,6 +137,10 @@ def _check_tp(gpu: GPUSpec, model: ModelSpec, tp: int) -> None:
     )
 
 
+# Host -> device copy rate for swapped-in KV (PCIe Gen4 x16, effective; BROS checkpoints).
+HOST_TO_DEVICE_BYTES_PER_S = 25e9
+
+
 class CostModel:
     """Step durations for one (GPU, model, tp). Pure and cheap: plain float math per call."""
 
@@ -217,12 +221,24 @@ class CostModel:
         *,
         prefill_chunks: Sequence[tuple[int, int]] = (),
         decode_context_lens: Sequence[int] = (),
+        swap_in_tokens: int = 0,
     ) -> float:
         """Seconds for one step running `prefill_chunks` and one token per decode; 0 if empty.
 
         A chunk `(num_new_tokens, num_context_before)` computes num_new_tokens tokens over that
         many tokens of existing KV; a chunk with no new tokens does nothing. Lengths must be >= 0.
+        `swap_in_tokens` of checkpointed KV copied host -> device overlap the step (SPEC §5:
+        max'ed, not added) at `HOST_TO_DEVICE_BYTES_PER_S`.
         """
+        compute_s = self._compute_time(prefill_chunks, decode_context_lens)
+        if swap_in_tokens <= 0:
+            return compute_s
+        swap_s = swap_in_tokens * self.kv_bytes_per_token_per_gpu / HOST_TO_DEVICE_BYTES_PER_S
+        return max(compute_s, swap_s)
+
+    def _compute_time(
+        self, prefill_chunks: Sequence[tuple[int, int]], decode_context_lens: Sequence[int]
+    ) -> float:
         num_tokens = 0
         num_logit_rows = 0
         attn_pairs = 0.0  # (query, key) pairs, causal

@@ -27,8 +27,6 @@ from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.text import TextModel
 
 SYNTHETIC_TOKEN_BASE = 1 << 30
-# Host -> device copy rate for swapped-in KV (PCIe Gen4 x16, effective; BROS checkpoints).
-HOST_TO_DEVICE_BYTES_PER_S = 25e9
 _SPAN = 1 << 30
 _STRIDE = 7919  # odd, so positions 0 .. 2**30 - 1 of one request never collide
 
@@ -69,10 +67,8 @@ class SimEngine:
         duration = self.cost_model.step_time(
             prefill_chunks=[(c.num_tokens, c.start) for c in batch.prefill],
             decode_context_lens=[r.seq_len for r in batch.decode],
+            swap_in_tokens=batch.swap_in_tokens,  # overlapped with the step (SPEC §5)
         )
-        if batch.swap_in_tokens:  # overlapped with the step (SPEC §5: max'ed, not added)
-            swap_bytes = batch.swap_in_tokens * self.cost_model.kv_bytes_per_token_per_gpu
-            duration = max(duration, swap_bytes / HOST_TO_DEVICE_BYTES_PER_S)
         if self.text is None and self.eos_token_id is None:
             rng = self.token_range
             tokens = [synthetic_token(r.rid, r.num_output, rng) for r in batch.sampling_requests()]
