@@ -158,7 +158,7 @@ class ServerState:
         if tenant is None and self.tenants is not None:
             tenant = self.tenants.effective(who.client)  # unlisted: the [defaults]
         keyed = self.tenants is not None and self.tenants.requires_auth
-        return P.resolve_scheduling(
+        sched = P.resolve_scheduling(
             hints if hints is not None else P.Hints(),
             headers,
             tenant_class=getattr(tenant, "priority_class", None),
@@ -166,6 +166,12 @@ class ServerState:
             rt_priority_threshold=getattr(self.cfg, "rt_priority_threshold", None),
             low_priority_values_first=getattr(self.cfg, "low_priority_values_first", False),
         )
+        if sched.priority_class == "rt" and not getattr(tenant, "allow_rt", True):
+            raise P.ProtocolError(
+                403, f"tenant {who.client!r} may not send real-time requests "
+                "(allow_rt = false in the tenants file)", "priority_class",
+            )  # fmt: skip
+        return sched
 
     def admit(self, who: Identity, n: int) -> None:
         """Tenant limits: requests per minute and requests in flight (HTTP 429)."""

@@ -14,6 +14,7 @@ The tenants file is TOML::
     rpm = 600                # optional > 0: requests per minute (token bucket) -> 429
     burst = 100              # optional >= 1: the bucket's size (default: rpm)
     priority_class = "rt"    # optional "rt" | "be": the class of requests that give none
+    allow_rt = false         # optional (default true): real-time requests are refused (403)
     admin = true             # optional: may call the admin endpoints (flush cache, abort any)
 
 Identity decides fairness, so it must not be forgeable: when any tenant has API keys,
@@ -118,6 +119,7 @@ class TenantDefaults:
     rpm: float | None = None
     burst: float | None = None
     priority_class: str | None = None  # "rt" | "be"; None: BE
+    allow_rt: bool = True  # False: this tenant's real-time requests get 403
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ class Tenant:
     # The service class (BROS's "rt" / "be") of this tenant's requests that do not name one
     # (``priority_class`` field or ``X-Priority-Class`` header); None: BE.
     priority_class: str | None = None
+    # May this tenant ask for real-time service? RT requests jump BE work (BROS), so an
+    # operator can keep a tenant to best-effort; its RT requests then get 403.
+    allow_rt: bool = True
 
     def make_limiter(self, now: float) -> RateLimiter | None:
         """A fresh token bucket for ``rpm`` (None without a rate limit)."""
@@ -149,7 +154,7 @@ class Tenant:
             f"Tenant(name={self.name!r}, api_keys={keys}, weight={self.weight:g}, "
             f"max_inflight={self.max_inflight}, max_input_tokens={self.max_input_tokens}, "
             f"rpm={self.rpm}, burst={self.burst}, admin={self.admin}, "
-            f"priority_class={self.priority_class})"
+            f"priority_class={self.priority_class}, allow_rt={self.allow_rt})"
         )
 
 
@@ -225,7 +230,7 @@ class TenantTable:
         d = self.defaults
         return Tenant(
             name, (), d.weight, d.max_inflight, d.max_input_tokens, d.rpm, d.burst,
-            priority_class=d.priority_class,
+            priority_class=d.priority_class, allow_rt=d.allow_rt,
         )  # fmt: skip
 
     @property
@@ -274,6 +279,12 @@ def _check_limits(table: Mapping[str, Any], where: str) -> dict[str, Any]:
             if v not in PRIORITY_CLASSES:
                 raise ConfigError(f'{where}: priority_class must be "rt" or "be" (got {v!r})')
             out[key] = v
+        elif key == "allow_rt":
+            if type(v) is not bool:
+                raise ConfigError(f"{where}: allow_rt must be true or false (got {v!r})")
+            out[key] = v
+    if out.get("priority_class") == "rt" and out.get("allow_rt") is False:
+        raise ConfigError(f'{where}: priority_class = "rt" contradicts allow_rt = false')
     return out
 
 

@@ -174,6 +174,31 @@ def test_server_state_applies_tenant_default_and_threshold():
     )
 
 
+def test_a_tenant_kept_to_best_effort_gets_403_for_real_time():
+    table = parse_tenants(
+        {"tenant": [{"name": "batch", "allow_rt": False}, {"name": "web"}],
+         "defaults": {"allow_rt": True}}
+    )  # fmt: skip
+    st = _state(table, rt_priority_threshold=10, low_priority_values_first=False)
+    batch = Identity("batch", table.get("batch"))
+    web = Identity("web", table.get("web"))
+    assert ServerState.scheduling(st, _Req({}), None, batch).priority_class == "be"
+    for hints, headers in (
+        (P.Hints(priority_class="rt"), {}),
+        (None, {"X-Priority-Class": "rt"}),
+        (P.Hints(priority=10), {}),  # SGLang's priority mapped to RT
+    ):
+        with pytest.raises(P.ProtocolError) as e:
+            ServerState.scheduling(st, _Req(headers), hints, batch)
+        assert e.value.status == 403 and "allow_rt" in str(e.value)
+    rt = ServerState.scheduling(st, _Req({}), P.Hints(priority_class="rt"), web)
+    assert rt.priority_class == "rt"
+    with pytest.raises(ConfigError, match="contradicts"):
+        parse_tenants({"tenant": [{"name": "x", "priority_class": "rt", "allow_rt": False}]})
+    with pytest.raises(ConfigError, match="allow_rt"):
+        parse_tenants({"tenant": [{"name": "x", "allow_rt": "no"}]})
+
+
 def test_class_and_slos_travel_to_the_worker():
     req = Request(
         rid="r1", client="c", input_ids=(5, 6, 7), output_len=4, arrival_s=0.0,
