@@ -299,7 +299,7 @@ class Generation:
             fin = call.finished if call is not None else None
             if fin is not None and fin.reason is FinishReason.REJECTED:
                 if fin.retry_after_s is not None:  # admission control: try again later
-                    throttle = P.parse_throttle(fin.error)
+                    throttle = P.throttle_of(fin.limit)
                     if throttle is not None:  # FairServe's OIT: say which limit
                         return P.ProtocolError(
                             429, f"request throttled: {fin.error}", None,

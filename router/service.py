@@ -48,7 +48,7 @@ from sgl_fair.messages import (
     Tokens,
 )
 from sgl_fair.request import Request
-from sgl_fair.router.protocol.scheduling import parse_throttle
+from sgl_fair.router.protocol.scheduling import throttle_of
 from sgl_fair.router.router import Router
 from sgl_fair.router.telemetry import Telemetry
 from sgl_fair.transport import Endpoints, WireError, decode, encode
@@ -477,7 +477,7 @@ class RouterService:
         if msg.reason is FinishReason.REJECTED:
             why = "admission" if msg.retry_after_s is not None else "capacity"
             self.telemetry.rejected(call.tenant, why)
-            throttle = parse_throttle(msg.error) if msg.retry_after_s is not None else None
+            throttle = throttle_of(msg.limit)
             if throttle is not None:
                 self.telemetry.throttled(call.tenant, call.req.app, throttle.limit)
             return

@@ -70,6 +70,8 @@ class Finished(msgspec.Struct, frozen=True, gc=False):
     output_top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None = None
     # REJECTED by a policy's admission control: when to retry (None: it can never run there).
     retry_after_s: float | None = None
+    # ... and by which windowed limit: (limit, max requests, window s), e.g. ("user", 10, 60.0)
+    limit: tuple[str, int, float] | None = None
 
     @property
     def input_len(self) -> int:

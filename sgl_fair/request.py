@@ -100,6 +100,9 @@ class Request:
     # Set when a policy's admission control refused the request for now (HTTP 429 + Retry-After
     # in serving); None for a request that can never run here (HTTP 400).
     reject_retry_after_s: float | None = None
+    # The admission limit that refused it: (limit, max requests, window s), e.g. FairServe's
+    # ("user", 10, 60.0); None for any other refusal.
+    reject_limit: tuple[str, int, float] | None = None
     abort_reason: str | None = None
     # Arrival tie-breaker: a process-wide sequence number, so orders are total and stable.
     seq: int = field(default_factory=lambda: next(_seq))

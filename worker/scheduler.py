@@ -197,6 +197,12 @@ class Scheduler:
             req.phase = Phase.REJECTED
             req.reject_reason = rejection.reason
             req.reject_retry_after_s = rejection.retry_after_s
+            if rejection.limit is not None:
+                req.reject_limit = (
+                    rejection.limit,
+                    rejection.limit_max or 0,
+                    rejection.limit_window_s or 0.0,
+                )
             self.log.done.append(req)
             return rejection
         req.phase = Phase.WAITING

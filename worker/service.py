@@ -201,4 +201,5 @@ class WorkerCore:
             lp.output if lp is not None else None,
             lp.output_top if lp is not None else None,
             req.reject_retry_after_s,
+            req.reject_limit,
         )

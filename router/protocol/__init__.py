@@ -72,7 +72,7 @@ from sgl_fair.router.protocol.scheduling import (
     Scheduling,
     Throttle,
     parse_hints,
-    parse_throttle,
+    throttle_of,
 )
 from sgl_fair.router.protocol.scheduling import resolve as resolve_scheduling
 
@@ -113,7 +113,7 @@ __all__ = [
     "parse_completion",
     "parse_generate",
     "parse_hints",
-    "parse_throttle",
+    "throttle_of",
     "render_chat_prompt",
     "resolve_scheduling",
     "server_info",

@@ -189,17 +189,11 @@ def resolve(
 
 # ---- FairServe's throttling, as the worker reports it ----------------------------------------
 
-# The reasons ``sgl_fair.policies.fairserve_oit.Windows.over_limit`` gives (tested against it).
-_THROTTLE = re.compile(
-    r"(?P<limit>user|app) (?P<who>.+?) over its limit of (?P<max>\d+) requests per "
-    r"(?P<window>[0-9.eE+]+) s(?: for app (?P<app>.+?))? while the server is overloaded"
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Throttle:
     """A request FairServe's OIT refused: which limit (``"user"`` or ``"app"``), its size
-    in requests per ``window_s``."""
+    in requests per ``window_s`` (the worker's ``Finished.limit``)."""
 
     limit: str
     max_requests: int
@@ -209,11 +203,9 @@ class Throttle:
         return {"limit": self.limit, "max_requests": self.max_requests, "window_s": self.window_s}
 
 
-def parse_throttle(reason: str | None) -> Throttle | None:
-    """The OIT limit named by a worker's rejection reason, or None for any other refusal."""
-    if not reason:
+def throttle_of(limit: tuple[str, int, float] | None) -> Throttle | None:
+    """The :class:`Throttle` a worker's ``Finished.limit`` names (None: not a windowed limit)."""
+    if limit is None:
         return None
-    m = _THROTTLE.search(reason)
-    if m is None:
-        return None
-    return Throttle(m["limit"], int(m["max"]), float(m["window"]))
+    name, max_requests, window_s = limit
+    return Throttle(str(name), int(max_requests), float(window_s))

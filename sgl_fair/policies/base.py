@@ -52,6 +52,11 @@ class Rejection:
 
     reason: str
     retry_after_s: float | None = None
+    # Which admission limit refused it, for clients and metrics (FairServe's OIT: "user" or
+    # "app"); with ``limit_max`` requests per ``limit_window_s``. None: not a windowed limit.
+    limit: str | None = None
+    limit_max: int | None = None
+    limit_window_s: float | None = None
 
 
 @runtime_checkable

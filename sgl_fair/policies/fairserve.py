@@ -200,7 +200,10 @@ class FairServe(BasePolicy):
                 over = self.windows.over_limit(req.client, req.app, now)
                 if over is not None:
                     self.num_throttled += 1
-                    return Rejection(over[0], retry_after_s=over[1])
+                    reason, retry_after, limit, limit_max = over
+                    return Rejection(
+                        reason, retry_after, limit, limit_max, self.windows.limits.window_s
+                    )
         if req.interaction_id is not None:
             self._interactions[req.interaction_id] = now
         rejoining = not self.active.is_active(req.client)

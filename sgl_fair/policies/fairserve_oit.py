@@ -99,8 +99,11 @@ class Windows:
             return None
         return max(lim.min_limit, round(lim.app_limit_factor * mean))
 
-    def over_limit(self, user: ClientId, app: str | None, now: float) -> tuple[str, float] | None:
-        """(reason, retry_after_s) for the first limit exceeded — the user's, then the app's."""
+    def over_limit(
+        self, user: ClientId, app: str | None, now: float
+    ) -> tuple[str, float, str, int] | None:
+        """(reason, retry_after_s, limit, limit_max) for the first limit exceeded — the user's
+        (``limit == "user"``), then the app's (``"app"``)."""
         times = self._prune(self._user.get((user, app or _NO_APP)), now)
         limit = self.user_limit(app)
         if len(times) > limit:
@@ -108,6 +111,8 @@ class Windows:
                 f"user {user!r} over its limit of {limit} requests per "
                 f"{self.limits.window_s:g} s for app {app!r} while the server is overloaded",
                 self._retry_after(times, limit, now),
+                "user",
+                limit,
             )
         app_limit = self.app_limit(app)
         times = self._prune(self._app.get(app or _NO_APP), now)
@@ -116,6 +121,8 @@ class Windows:
                 f"app {app!r} over its limit of {app_limit} requests per "
                 f"{self.limits.window_s:g} s while the server is overloaded",
                 self._retry_after(times, app_limit, now),
+                "app",
+                app_limit,
             )
         return None
 

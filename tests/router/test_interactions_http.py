@@ -13,11 +13,13 @@ import pytest
 from live_helpers import launched, metric
 
 from sgl_fair.config import parse_tenants
+from sgl_fair.messages import Finished, FinishReason
 from sgl_fair.policies.fairserve_oit import Limits, Windows
 from sgl_fair.request import Request, ServiceClass
 from sgl_fair.router import protocol as P
 from sgl_fair.router.state import Identity, ServerState
 from sgl_fair.router.telemetry import MAX_APP_LABELS, Telemetry
+from sgl_fair.transport import decode, encode
 from sgl_fair.workloads.loadclient import request_payload
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -114,23 +116,22 @@ def test_interaction_ids_are_namespaced_by_the_authenticated_tenant():
     assert plain.interaction_id == "job-42"
 
 
-def test_throttle_reasons_are_recognised():
+def test_throttles_travel_as_structured_limits():
+    """OIT names the limit it hit; it reaches the router in Finished.limit (no text parsing)."""
     w = Windows(Limits(window_s=30, user_limit=1))
     for t in (0.0, 1.0):
         w.count("mallory", "spam", t)
-    user = w.over_limit("mallory", "spam", 1.0)
-    assert P.parse_throttle(user[0]) == P.Throttle("user", 1, 30.0)
+    reason, _, limit, limit_max = w.over_limit("mallory", "spam", 1.0)
+    assert (limit, limit_max) == ("user", 1) and "mallory" in reason
     w = Windows(Limits(window_s=60, user_limit=100, app_limits={"judge": 1}))
     w.count("a", "judge", 0.0)
     w.count("b", "judge", 0.5)
-    app = w.over_limit("b", "judge", 0.5)
-    assert P.parse_throttle(app[0]) == P.Throttle("app", 1, 60.0)
-    w = Windows(Limits(window_s=60, user_limit=1))
-    w.count("u", None, 0.0)  # no app
-    w.count("u", None, 0.1)
-    assert P.parse_throttle(w.over_limit("u", None, 0.1)[0]).limit == "user"
-    assert P.parse_throttle("request needs 9000 KV tokens") is None
-    assert P.parse_throttle(None) is None
+    assert w.over_limit("b", "judge", 0.5)[2:] == ("app", 1)
+    fin = Finished(0, 1.0, "r", "c", FinishReason.REJECTED, (1,), (), error="over",
+                   retry_after_s=3.0, limit=("user", 1, 30.0))  # fmt: skip
+    got = decode(encode(fin))
+    assert P.throttle_of(got.limit) == P.Throttle("user", 1, 30.0)
+    assert P.throttle_of(None) is None
 
 
 def test_throttle_error_body():
