@@ -66,6 +66,38 @@ def server_policy(info: Mapping[str, Any]) -> dict[str, Any]:
 # Rows
 
 
+def throttle_summary(calls: Sequence[CallRecord], programs: Sequence[Program]) -> dict[str, Any]:
+    """FairServe's view of a live run (issue 14's report fields), from what the client saw.
+
+    A call is *throttled* when the server answered 429 saying so (FairServe's OIT; plain
+    queue-full or rate-limit 429s are not throttles). An interaction is a program run; its
+    *wasted* tokens are the prompt + output tokens of its calls that finished before one of
+    its calls was throttled (the work the user never gets an answer from). A user is a
+    client; *served* means at least one of its started programs finished.
+    """
+    throttled = [
+        c
+        for c in calls
+        if c.state == "failed" and c.status == 429 and "throttled" in (c.error or "")
+    ]
+    hit = {c.program_id for c in throttled}
+    wasted = sum(
+        (c.prompt_tokens or c.input_len) + (c.completion_tokens or len(c.output_ids))
+        for c in calls
+        if c.program_id in hit and c.state == "ok"
+    )
+    started = [p for p in programs if p.num_issued > 0]
+    users = {p.client for p in started}
+    served = {p.client for p in started if p.done and not p.failed}
+    return {
+        "calls_throttled": len(throttled),
+        "interactions_throttled": len(hit),
+        "tokens_wasted": wasted,
+        "users_throttled": len({c.client for c in throttled}),
+        "users_served_pct": 100.0 * len(served) / len(users) if users else None,
+    }
+
+
 def harness_row(
     result: HarnessResult,
     clients: Sequence[ProgramClient],
@@ -119,6 +151,7 @@ def harness_row(
         "num_programs_failed": sum(p.failed for p in started),
         "num_calls": len(records),
         "failed_calls": result.count("failed"),
+        **throttle_summary(result.calls, result.programs),
         "unfinished_calls": result.count("unfinished"),
         "unsent_calls": result.count("unsent"),
         "makespan_s": t_end,

@@ -114,7 +114,7 @@ def totals_lines(results: Mapping[str, Any]) -> list[str]:
         if t["jain_scope"] == "active"
         else "whole run (no interval with every client active)"
     )
-    return [
+    lines = [
         f"throughput: {_f(t['throughput_programs_s'], '{:.3f}')} programs/s, "
         f"{_f(t['throughput_tok_s'], '{:.0f}')} tokens/s "
         f"(over {_f(t['makespan_s'], '{:.1f}')} s)",
@@ -126,6 +126,13 @@ def totals_lines(results: Mapping[str, Any]) -> list[str]:
         f"{t['programs_started']} started; calls: {t['calls_ok']} ok, {t['calls_failed']} "
         f"failed, {t['calls_unfinished']} unfinished, {t['calls_unsent']} unsent at the cut-off",
     ]
+    if row.get("calls_throttled"):  # FairServe's OIT refused new interactions (429)
+        lines.append(
+            f"throttled: {row['interactions_throttled']} interactions of "
+            f"{row['users_throttled']} users, {row['tokens_wasted']} tokens wasted on them; "
+            f"users served {_f(row['users_served_pct'], '{:.1f}')} %"
+        )
+    return lines
 
 
 def render_report(results: Mapping[str, Any]) -> str:

@@ -107,6 +107,7 @@ class FakeSGLang:
         fail_500: str | None = None,
         abort: str | None = None,
         stall: str | None = None,
+        throttle: str | None = None,
     ) -> None:
         self.dp_size = dp_size
         self.tokens_per_chunk = tokens_per_chunk
@@ -116,6 +117,7 @@ class FakeSGLang:
         self.fail_500 = re.compile(fail_500) if fail_500 else None
         self.abort = re.compile(abort) if abort else None
         self.stall = re.compile(stall) if stall else None
+        self.throttle = re.compile(throttle) if throttle else None
         self.log: list[dict] = []
         self.cache: list[tuple[int, ...]] = []  # served prompt + output sequences
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -208,6 +210,10 @@ class FakeSGLang:
                 return web.Response(status=401, text="bad api key")
         if self.fail_500 and self.fail_500.search(rid):
             return web.Response(status=500, text="injected failure")
+        if self.throttle and self.throttle.search(rid):  # what our server says for FairServe
+            limit = {"limit": "user", "max_requests": 1, "window_s": 60.0}
+            error = {"message": "request throttled: user over its limit", "throttle": limit}
+            return web.json_response({"error": error}, status=429, headers={"Retry-After": "60"})
         n = int(sp["max_new_tokens"])
         per_chunk = int(sp.get("stream_interval", self.tokens_per_chunk))
         out = [out_token(rid, i) for i in range(n)]
@@ -431,6 +437,25 @@ def test_failed_calls_are_counted_and_stop_their_program(fake):
     )
     assert row["failed_calls"] == 3 and row["num_programs_failed"] == 3
     assert row["num_rejected"] == 3
+
+
+def test_throttled_interactions_and_wasted_tokens_are_reported(fake):
+    """A 429 throttle on a program's merge call: the program fails, its finished dimension
+    calls are the wasted tokens (issue 14's report fields); a 500 is not a throttle."""
+    server = fake(throttle=r"-c1-judge-0/merge$", fail_500=r"-c0-judge-1/dim0$")
+    _, result = run_programs(
+        server, "judge", None, clients=2, duration=1.5, rate=3.0, seed=1, call_timeout_s=5.0
+    )
+    row = harness_row(
+        result, _specs("judge", 2), workload_name="judge", scenario=None, dp=1, seed=1
+    )
+    merge = next(c for c in result.calls if c.rid == "c1-judge-0/merge")
+    assert merge.state == "failed" and merge.status == 429
+    dims = [c for c in result.calls if c.program_id == "c1-judge-0" and c.state == "ok"]
+    assert dims and row["tokens_wasted"] == sum(c.input_len + len(c.output_ids) for c in dims)
+    assert row["calls_throttled"] == row["interactions_throttled"] == 1
+    assert row["users_throttled"] == 1
+    assert row["users_served_pct"] == 100.0  # both clients finished other programs
 
 
 def failed_pids(failed) -> set[str]:
