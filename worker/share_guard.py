@@ -16,8 +16,8 @@ on for fair policies; the papers' experiments keep it off):
 
 1. **Admission blocked.** When the walk stops for lack of room (SGLang stops at the first
    request that does not fit, so a flood's big prompt at the head blocks everyone), the
-   waiting client with the smallest share gets its next request (its first in the policy's
-   own order) admitted past it. If that request does not fit either, running requests of the
+   waiting client with the smallest share gets its earliest waiting request admitted past
+   it. If that request does not fit either, running requests of the
    client with the largest share are retracted for it (SGLang's victim rule inside that
    client: fewest output tokens, then longest prompt) — planned first, and only if the plan
    makes it fit — while the victim's client keeps at least the newcomer's share *after* the
@@ -103,15 +103,10 @@ def admit_below_share(
     shares = Shares(sched)
     groups = group_by_client(sched.waiting)
     newcomer = min(groups, key=lambda c: (shares.share(c), groups[c][0].arrival_key()))
-    walk = sched.policy.order(tuple(groups[newcomer]), sched)
-    try:
-        req = next(iter(walk), None)
-    finally:
-        close = getattr(walk, "close", None)
-        if close is not None:
-            close()
-    if req is None:
-        return []
+    # Its earliest request. Not the policy's ``order`` over the newcomer alone: a walk may
+    # change policy state as it goes (DLPM replenishes the deficits of the clients it walks),
+    # and a walk over one client would credit that client alone.
+    req = groups[newcomer][0]
     clip = sched.config.clip_max_new_tokens
     tokens = req.all_ids()
     cached = min(sched.prefix_len(req), len(tokens) - 1)
