@@ -18,17 +18,13 @@ Flags: ``--duration S``, ``--dp N``, ``--router-policy``/``--schedule-policy`` (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgl_fair.launch import free_ports
+from sgl_fair.demo.server import serving
 
 CLIENTS = 4
 GPU, MODEL = "H100-80GB", "Llama-3.1-8B"
@@ -37,22 +33,6 @@ GPU, MODEL = "H100-80GB", "Llama-3.1-8B"
 # of prefill under plain locality, and the load generator still fits on 2 CPU cores.
 RATE_SCALE = 2.0
 STREAM_INTERVAL = 32  # SSE chunk every 32 tokens: keeps the load generator off the CPU's limit
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"demo: the server exited ({proc.returncode}):\n{log_path.read_text()}"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise SystemExit(f"demo: the server did not start in {timeout_s:.0f}s:\n{log_path.read_text()}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,44 +62,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     tenants.write_text(
         "".join(f'[[tenant]]\nname = "{c}"\napi_keys = ["{k}"]\n\n' for c, k in keys.items())
     )
-    (port,) = free_ports(1)
-    url = f"http://127.0.0.1:{port}"
     log_path = work / "server.log"
-    cmd = [
-        sys.executable, "-m", "sgl_fair.launch", "--dp", str(args.dp), "--port", str(port),
-        "--gpu", args.gpu, "--model", args.model,
+    args_ = [
+        "--dp", str(args.dp), "--gpu", args.gpu, "--model", args.model,
         "--router-policy", args.router_policy, "--schedule-policy", args.schedule_policy,
         "--tenants", str(tenants),
     ]  # fmt: skip
-    print("$ python " + " ".join(cmd[1:]), flush=True)
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    print("$ python -m sgl_fair.launch " + " ".join(args_), flush=True)
     try:
-        _wait_ready(url, server, log_path, 120)
-        print(f"server ready at {url}; load test: ToT S2, {CLIENTS} tenants, {args.duration:.0f} s")
-        config = LoadTestConfig(
-            url=url,
-            workload="tot",
-            scenario="s2",
-            clients=CLIENTS,
-            duration_s=args.duration,
-            rate_scale=args.rate_scale,
-            api_keys=keys,
-            out=Path(args.out),
-            stream_interval=STREAM_INTERVAL,
-        )
-        from sgl_fair.loadtest import progress_bar
+        with serving(args_, log_path) as url:
+            print(f"server ready at {url}; ToT S2, {CLIENTS} tenants, {args.duration:.0f} s")
+            config = LoadTestConfig(
+                url=url,
+                workload="tot",
+                scenario="s2",
+                clients=CLIENTS,
+                duration_s=args.duration,
+                rate_scale=args.rate_scale,
+                api_keys=keys,
+                out=Path(args.out),
+                stream_interval=STREAM_INTERVAL,
+            )
+            from sgl_fair.loadtest import progress_bar
 
-        with progress_bar(sys.stderr.isatty()) as update:
-            results = run_loadtest(config, on_update=update)
-        print_fairness(results)
-        print(f"report: {results['paths']['report']}")
-        return 0 if results["totals"]["calls_ok"] else 1
+            with progress_bar(sys.stderr.isatty()) as update:
+                results = run_loadtest(config, on_update=update)
+            print_fairness(results)
+            print(f"report: {results['paths']['report']}")
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
         print(f"server stopped (log: {log_path})")
+    return 0 if results["totals"]["calls_ok"] else 1

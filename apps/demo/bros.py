@@ -20,15 +20,12 @@ import argparse
 import asyncio
 import json
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgl_fair.launch import free_ports
+from sgl_fair.demo.server import serving
 from sgl_fair.metrics import percentiles
 
 GPU, MODEL, TP = "A100-80GB", "Llama-3-70B", "8"
@@ -137,27 +134,10 @@ def summarize(result: dict) -> dict[str, dict]:
 
 
 def run_policy(policy: str, args: argparse.Namespace, work: Path) -> dict:
-    (port,) = free_ports(1)
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable, "-m", "sgl_fair.launch", "--dp", "1", "--port", str(port),
-        "--gpu", GPU, "--model", MODEL, "--tp", TP, "--schedule-policy", policy,
-    ]  # fmt: skip
     log_path = work / f"server-{policy}.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        from sgl_fair.demo import _wait_ready
-
-        _wait_ready(url, server, log_path, 120)
+    args_ = ["--dp", "1", "--gpu", GPU, "--model", MODEL, "--tp", TP, "--schedule-policy", policy]
+    with serving(args_, log_path) as url:
         result = asyncio.run(drive(url, args.rt_rate, args.calm, args.busy, args.seed))
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
     return {"summary": summarize(result), "be_tok_s": result["be_tok_s"]}
 
 
