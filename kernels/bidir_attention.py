@@ -34,6 +34,41 @@ from sgl_fair.kernels.block_table import BlockTable
 
 
 @triton.jit
+def _piece_step(
+    q, K, V, blk, direction, off, length, pos, qpos, m_i, l_i, acc, j, d, dmask,
+    kv_k, kv_v, stride_kb, stride_ks, stride_vb, stride_vs, sm_scale,
+    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    """One piece of a sequence, one online-softmax step: read its ``length`` slots by its
+    direction bit (offset ``o`` -> slot ``o``, or ``S - 1 - o``), score them against ``q``
+    (rows; with ``CAUSAL`` only positions ``pos + j <= qpos``), fold them into (m, l, acc).
+    ``kv_k``/``kv_v``: the KV head's offset in K and V."""
+    o = off + j
+    slot = tl.where(direction == 0, o, BLOCK_S - 1 - o).to(tl.int64)
+    tmask = j < length
+    kmask = tmask[:, None] & dmask[None, :]
+    k = tl.load(
+        K + blk * stride_kb + slot[:, None] * stride_ks + kv_k + d[None, :], mask=kmask, other=0.0
+    )
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * sm_scale
+    visible = tmask[None, :]
+    if CAUSAL:
+        visible = visible & ((pos + j)[None, :] <= qpos[:, None])
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    pr = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    v = tl.load(
+        V + blk * stride_vb + slot[:, None] * stride_vs + kv_v + d[None, :], mask=kmask, other=0.0
+    )
+    acc = acc * alpha[:, None] + tl.dot(
+        pr.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC
+    )
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_stage1(
     Q, K, V, Blocks, Dirs, Offs, Lens, NumPieces, MidO, MidLse,
     sm_scale, pieces_per_split,
@@ -70,36 +105,12 @@ def _decode_stage1(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     row = b * stride_tb
     for p in range(p0, p1):
-        blk = tl.load(Blocks + row + p).to(tl.int64)
-        direction = tl.load(Dirs + row + p)
-        off = tl.load(Offs + row + p)
-        length = tl.load(Lens + row + p)
-        o = off + j
-        slot = tl.where(direction == 0, o, BLOCK_S - 1 - o).to(tl.int64)
-        tmask = j < length
-        kmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(
-            K + blk * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-            mask=kmask,
-            other=0.0,
-        )
-        qk = (
-            tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * sm_scale
-        )  # [BLOCK_H, BLOCK_S]
-        qk = tl.where(tmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(
-            V + blk * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-            mask=kmask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(
-            pr.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC
-        )
-        m_i = m_new
+        m_i, l_i, acc = _piece_step(
+            q, K, V, tl.load(Blocks + row + p).to(tl.int64), tl.load(Dirs + row + p),
+            tl.load(Offs + row + p), tl.load(Lens + row + p), 0, hi, m_i, l_i, acc, j, d, dmask,
+            kvh * stride_kh, kvh * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
+            sm_scale, BLOCK_S, DOT_PREC, False,
+        )  # fmt: skip
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(
@@ -184,37 +195,13 @@ def _extend(
     for p in range(0, n):
         length = tl.load(Lens + row + p)
         if pos <= qmax:
-            blk = tl.load(Blocks + row + p).to(tl.int64)
-            direction = tl.load(Dirs + row + p)
-            off = tl.load(Offs + row + p)
-            o = off + j
-            slot = tl.where(direction == 0, o, BLOCK_S - 1 - o).to(tl.int64)
-            tmask = j < length
-            kmask = tmask[:, None] & dmask[None, :]
-            k = tl.load(
-                K + blk * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                mask=kmask,
-                other=0.0,
-            )
-            qk = (
-                tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * sm_scale
-            )  # [BLOCK_M, S]
-            visible = tmask[None, :] & ((pos + j)[None, :] <= qpos[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            # every row sees position 0 (in piece 0), so m_new is finite from the first piece
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(
-                V + blk * stride_vb + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                mask=kmask,
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(
-                pr.to(v.dtype).to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC
-            )
-            m_i = m_new
+            # every row sees position 0 (in piece 0), so m is finite from the first piece
+            m_i, l_i, acc = _piece_step(
+                q, K, V, tl.load(Blocks + row + p).to(tl.int64), tl.load(Dirs + row + p),
+                tl.load(Offs + row + p), length, pos, qpos, m_i, l_i, acc, j, d, dmask,
+                kvh * stride_kh, kvh * stride_vh, stride_kb, stride_ks, stride_vb, stride_vs,
+                sm_scale, BLOCK_S, DOT_PREC, True,
+            )  # fmt: skip
         pos += length
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
