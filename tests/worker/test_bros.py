@@ -240,22 +240,7 @@ def test_bros_over_block_allocators_keeps_invariants(allocator):
     reqs = hybrid_workload(4, num_rt=25, num_be=10)
     kv = PrefixKVCache(make_allocator(allocator, 1200, block_size=8))
     sched = Scheduler(policy=make_policy("bros"), kv=kv, cost=cm.step_time)
-    # Not ``drive``: a paused BE request may hold all its private KV on the host (held == 0).
-    engine, now, pending = SimEngine(cm), 0.0, sorted(reqs, key=Request.arrival_key)
-    for _ in range(100_000):
-        while pending and pending[0].arrival_s <= now:
-            sched.add_request(pending.pop(0), now)
-        batch = sched.step(now)
-        if batch is None:
-            if not pending:
-                break
-            now = pending[0].arrival_s
-            continue
-        sched.check_invariants()
-        result = engine.run(batch)
-        now += result.duration_s
-        sched.apply(result, now)
-        sched.check_invariants()
+    drive(sched, SimEngine(cm), reqs, token_pool=False)
     assert_finished_exactly(reqs)
     if allocator == "bidirectional":
         assert kv.allocator.host_used_tokens() == 0
@@ -306,26 +291,16 @@ def test_aborting_a_checkpointed_be_request_drops_its_host_copy():
     reqs = hybrid_workload(4, num_rt=25, num_be=10)
     kv = PrefixKVCache(make_allocator("bidirectional", 1200, block_size=8))
     sched = Scheduler(policy=make_policy("bros"), kv=kv, cost=cm.step_time)
-    engine, now, pending = SimEngine(cm), 0.0, sorted(reqs, key=Request.arrival_key)
     aborted = []
-    for _ in range(100_000):
-        while pending and pending[0].arrival_s <= now:
-            sched.add_request(pending.pop(0), now)
-        for r in list(sched.running):
-            if sched.checkpointed_slots(r) > 0:
-                assert sched.abort(r, now)
+
+    def abort_checkpointed(s: Scheduler, now: float) -> None:
+        for r in list(s.running):
+            if s.checkpointed_slots(r) > 0:
+                assert s.abort(r, now)
                 aborted.append(r)
-                sched.check_invariants()
-        batch = sched.step(now)
-        if batch is None:
-            if not pending:
-                break
-            now = pending[0].arrival_s
-            continue
-        result = engine.run(batch)
-        now += result.duration_s
-        sched.apply(result, now)
-        sched.check_invariants()
+                s.check_invariants()
+
+    drive(sched, SimEngine(cm), reqs, before_step=abort_checkpointed, token_pool=False)
     assert aborted, "the workload must checkpoint some BE request"
     assert all(r.phase is Phase.ABORTED for r in aborted)
     assert_finished_exactly([r for r in reqs if r not in aborted])

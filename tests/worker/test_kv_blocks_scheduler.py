@@ -7,7 +7,7 @@ bidirectional`` with vtc/fcfs/dlpm died with OutOfMemory on the first checkpoint
 
 from __future__ import annotations
 
-from conftest import assert_finished_exactly, unique_tokens
+from conftest import assert_finished_exactly, drive, unique_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,35 +24,20 @@ RT, BE = ServiceClass.RT, ServiceClass.BE
 
 
 def run(reqs: list[Request], policy: str, allocator: str, capacity: int, guard: bool) -> dict:
-    """Drive to completion with invariants after every step and apply; count swap-ins.
-
-    Not ``conftest.drive``: a paused BE request may hold all its private KV on the host."""
+    """Drive to completion (``drive``: invariants after every step and apply, no request runs
+    with KV on the host); count swap-ins."""
     kv = PrefixKVCache(make_allocator(allocator, capacity, block_size=8))
     cfg = SchedulerConfig(share_guard=guard)
     sched = Scheduler(policy=make_policy(policy), kv=kv, config=cfg, cost=COST.step_time)
-    engine, now, pending = SimEngine(COST), 0.0, sorted(reqs, key=Request.arrival_key)
-    swapped = 0
-    for _ in range(200_000):
-        while pending and pending[0].arrival_s <= now:
-            sched.add_request(pending.pop(0), now)
-        batch = sched.step(now)
-        if batch is None:
-            if not pending:
-                break
-            now = pending[0].arrival_s
-            continue
-        sched.check_invariants()
-        for req in (*(c.req for c in batch.prefill), *batch.decode):
-            assert sched.checkpointed_slots(req) == 0, f"{req} runs with KV on the host"
-        swapped += batch.swap_in_tokens
-        result = engine.run(batch)
-        now += result.duration_s
-        sched.apply(result, now)
-        sched.check_invariants()
+    swapped = []
+    drive(
+        sched, SimEngine(COST), reqs, token_pool=False,
+        after_step=lambda s, batch, now: swapped.append(batch.swap_in_tokens),
+    )  # fmt: skip
     assert_finished_exactly(reqs)
     if allocator == "bidirectional":
         assert kv.allocator.host_used_tokens() == 0
-    return {"swapped": swapped, "retractions": sched.stats.num_retractions}
+    return {"swapped": sum(swapped), "retractions": sched.stats.num_retractions}
 
 
 def hybrid(seed: int) -> list[Request]:

@@ -17,7 +17,7 @@ import random
 from collections import Counter
 
 import pytest
-from conftest import assert_finished_exactly, unique_tokens
+from conftest import assert_finished_exactly, drive, unique_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,27 +137,13 @@ def run_exact(reqs, aborts, policy, allocator, block_size, capacity, guard):
     kv = PrefixKVCache(alloc, exact=True)
     cfg = SchedulerConfig(share_guard=guard)
     sched = Scheduler(policy=make_policy(policy), kv=kv, config=cfg, cost=COST.step_time)
-    engine, now = ContentEngine(sched), 0.0
-    pending, aborts = sorted(reqs, key=Request.arrival_key), list(aborts)
-    for _ in range(100_000):
-        while pending and pending[0].arrival_s <= now:
-            sched.add_request(pending.pop(0), now)
+    engine, aborts = ContentEngine(sched), list(aborts)
+
+    def abort_due(s: Scheduler, now: float) -> None:
         while aborts and aborts[0][0] <= now:
-            sched.abort(aborts.pop(0)[1], now)
-        batch = sched.step(now)
-        if batch is None:
-            assert not sched.has_work(), "idle with work: a checkpointed request cannot come back"
-            if not pending:
-                break
-            now = pending[0].arrival_s
-            continue
-        sched.check_invariants()
-        result = engine.run(batch)
-        now += result.duration_s
-        sched.apply(result, now)
-        sched.check_invariants()
-    else:
-        raise AssertionError("no completion")
+            s.abort(aborts.pop(0)[1], now)
+
+    drive(sched, engine, reqs, before_step=abort_due, token_pool=False, max_steps=100_000)
     done = (Phase.FINISHED, Phase.ABORTED, Phase.REJECTED)
     assert all(r.phase in done for r in reqs), [r for r in reqs if r.phase not in done]
     assert_finished_exactly([r for r in reqs if r.phase is Phase.FINISHED])
