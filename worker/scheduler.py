@@ -451,21 +451,25 @@ class Scheduler:
         if self.kv.available_tokens() >= len(self.running):
             return
         steps = self.config.retract_decode_steps
-        victim_fn = getattr(self.policy, "victim", None)
         while len(self.running) > 1 and (self.kv.available_tokens() < len(self.running) * steps):
-            if victim_fn is not None:
-                victim = victim_fn(self.running)
-            elif self.config.share_guard:
-                victim = share_guard.decode_victim(self)
-            else:
-                victim = self._default_victim()
-            self._retract(victim)
+            self._retract(self._victim())
         total_max_new = sum(r.max_new_tokens for r in self.running)
         decoded = sum(r.num_output for r in self.running)
         estimate = (decoded + steps * len(self.running)) / max(total_max_new, 1)
         self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
         if self.kv.available_tokens() < len(self.running):
             raise MemoryError("KV pool too small for a single running request")
+
+    def _victim(self, pool: Sequence[Request] | None = None) -> Request:
+        """Whom to retract from ``pool`` (default: the running requests): the policy's
+        ``victim``, else — with the share guard — one of the largest holder's, else SGLang's."""
+        pool = self.running if pool is None else pool
+        victim_fn = getattr(self.policy, "victim", None)
+        if victim_fn is not None:
+            return victim_fn(pool)
+        if self.config.share_guard:
+            return share_guard.decode_victim(self, pool)
+        return self._default_victim(pool)
 
     def _default_victim(self, pool: Sequence[Request] | None = None) -> Request:
         # SGLang: fewest generated tokens first, then longest prompt (least work lost).

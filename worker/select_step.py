@@ -58,9 +58,8 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
         swap_in = None if swap_in is None else swap_in + (more or 0)
         if decode or len(sched.running) <= 1:
             break
-        victim_fn = getattr(sched.policy, "victim", None)
         pool = sched.running
-        sched._retract(victim_fn(pool) if victim_fn else sched._default_victim(pool))
+        sched._retract(sched._victim(pool))
     if not chunks and not decode:
         return None
     sched._in_batch = tuple(c.req for c in chunks)
@@ -84,9 +83,8 @@ def decode_restoring(sched: Scheduler) -> tuple[list[Request], int]:
     Every running request decodes, its checkpointed KV restored first; one whose restore or
     next slot does not fit sits the step out (keeping its KV); one this step's RT growth
     overwrote and that cannot come back is retracted. If no request can run, requests are
-    retracted (the policy's victim, else SGLang's) until one can. Returns the decoding
+    retracted (``Scheduler._victim``) until one can. Returns the decoding
     requests and the tokens swapped in."""
-    victim_fn = getattr(sched.policy, "victim", None)
     while True:
         decode, swap_in = _grow(sched, list(sched.running))
         decode, more = restore_checkpointed(sched, decode, allocated=True)
@@ -95,14 +93,13 @@ def decode_restoring(sched: Scheduler) -> tuple[list[Request], int]:
         if len(sched.running) <= 1:
             raise MemoryError("KV pool too small to restore or grow a single running request")
         pool = sched.running
-        sched._retract(victim_fn(pool) if victim_fn else sched._default_victim(pool))
+        sched._retract(sched._victim(pool))
 
 
 def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int | None]:
     """Restore and allocate each chosen decode's next slot; one that cannot sits out."""
     decode, swap_in = restore_checkpointed(sched, decode)
     ready: list[Request] = []
-    victim_fn = getattr(sched.policy, "victim", None)
     for req in decode:
         if sched.checkpointed_slots(req) or req.phase is not Phase.RUNNING:
             continue
@@ -111,7 +108,7 @@ def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int |
             paused = [r for r in sched.running if r not in decode]
             if not paused:
                 break
-            sched._retract(victim_fn(paused) if victim_fn else sched._default_victim(paused))
+            sched._retract(sched._victim(paused))
         if sched.kv.can_allocate(req, 1):
             sched.kv.allocate(req, 1)
             ready.append(req)
@@ -138,12 +135,11 @@ def restore_checkpointed(
             ops = sched.kv.restore(req)  # evicts cached prefixes for room
             while ops is None and allocated and req not in decode:
                 # Admitted this step and overwritten by a later admission: make room by
-                # retracting a running request (the policy's victim, else SGLang's).
+                # retracting a running request (``Scheduler._victim``).
                 pool = [r for r in sched.running if r is not req and r not in decode]
                 if not pool:
                     raise MemoryError(f"KV pool too small to restore {req}")
-                victim_fn = getattr(sched.policy, "victim", None)
-                sched._retract(victim_fn(pool) if victim_fn else sched._default_victim(pool))
+                sched._retract(sched._victim(pool))
                 ops = sched.kv.restore(req)
             if ops is None:
                 if allocated and req in decode:
@@ -157,11 +153,10 @@ def restore_checkpointed(
 
 def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
     """Retract (paused requests first) until every chosen decode can grow by one token."""
-    victim_fn = getattr(sched.policy, "victim", None)
     while sched.kv.available_tokens() < len(decode) and len(sched.running) > 1:
         paused = [r for r in sched.running if r not in decode]
         pool = paused or sched.running
-        victim = victim_fn(pool) if victim_fn else sched._default_victim(pool)
+        victim = sched._victim(pool)
         sched._retract(victim)
         if victim in decode:
             decode.remove(victim)
@@ -175,9 +170,8 @@ def _make_room(sched: Scheduler, req: Request, decode: list[Request], promised: 
     clip = sched.config.clip_max_new_tokens
     need = req.seq_len - min(sched.prefix_len(req), req.seq_len - 1)
     need += min(req.remaining_new_tokens, clip)
-    victim_fn = getattr(sched.policy, "victim", None)
     while need > sched.kv.available_tokens() - sched._reserved_tokens() - promised:
         paused = [r for r in sched.running if r not in decode]
         if not paused:
             return
-        sched._retract(victim_fn(paused) if victim_fn else sched._default_victim(paused))
+        sched._retract(sched._victim(paused))

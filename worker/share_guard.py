@@ -36,7 +36,7 @@ admission of a starving client.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from sgl_fair.policies.base import group_by_client
@@ -77,17 +77,12 @@ class Shares:
         return max(kv, slots) / self.weight(client)
 
 
-def _sglang_victim(pool: Iterable[Request]) -> Request:
-    # SGLang's retract order: fewest generated tokens first, then longest prompt.
-    return min(pool, key=lambda r: (r.num_output, -r.input_len, -r.seq))
-
-
-def decode_victim(sched: Scheduler) -> Request:
-    """Rule 2: the request to retract under decode memory pressure."""
+def decode_victim(sched: Scheduler, pool: Sequence[Request]) -> Request:
+    """Rule 2: whom to retract from ``pool`` under memory pressure: one of the requests of
+    the client in ``pool`` holding the largest share (SGLang's rule among them)."""
     shares = Shares(sched)
-    top = max(shares.count, key=lambda c: (shares.share(c), c))
-    pool = [r for r in sched.running if r.client == top] or sched.running
-    return _sglang_victim(pool)
+    top = max({r.client for r in pool}, key=lambda c: (shares.share(c), c))
+    return sched._default_victim([r for r in pool if r.client == top])
 
 
 def admit_below_share(
@@ -131,7 +126,7 @@ def admit_below_share(
         pool = [r for r in sched.running if r.client == top and id(r) not in taken]
         if not pool:  # its only held request is the chunked one, which is not retractable
             return []
-        victim = _sglang_victim(pool)
+        victim = sched._default_victim(pool)
         if shares.share(top, -victim.num_computed, -1) < target:
             return []  # taking more from `top` would push it below the newcomer
         if service is not None and service(newcomer) > service(top):
