@@ -3,8 +3,7 @@ model behind the HTTP API. ``/generate`` and ``/v1/chat/completions`` answer wit
 tokens: greedy output equals greedy generation with ``forward_full`` of the same model (the
 tiny preset's weights come from a fixed seed, its vocabulary sized to the tokenizer's).
 
-Needs ``Scheduler.kv_slots`` (the exact KV cache); skipped until the tree has it, and
-without torch (unless ``SGLFAIR_REQUIRE_SGLANG=1``, where that fails).
+Skipped without torch (unless ``SGLFAIR_REQUIRE_SGLANG=1``, where that fails).
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import httpx
 import openai
 import pytest
 from live_helpers import launched
-
-from sgl_fair.worker.scheduler import Scheduler
 
 if importlib.util.find_spec("torch") is None:
     msg = "torch not installed (pip install -e '.[kernels]')"
@@ -46,8 +43,6 @@ def greedy_full(prompt: list[int], n: int, eos: int = 2) -> list[int]:
 
 
 def test_generate_and_chat_with_the_tiny_model(tmp_path):
-    if not hasattr(Scheduler, "kv_slots"):
-        pytest.skip("needs Scheduler.kv_slots (the exact KV cache, landing with worker/kv)")
     with launched(*ARGS, tmp_path=tmp_path, timeout_s=120) as s:
         prompt = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}

@@ -5,8 +5,7 @@ pool small enough to retract, over the token, paged and bidirectional allocators
 with RT and BE requests, so BE KV is checkpointed to host and restored by ``kv_copies``):
 every request's greedy output equals greedy generation with ``forward_full``.
 
-Needs ``Scheduler.kv_slots`` (the exact KV cache); skipped until the tree has it. Skipped
-without torch, unless ``SGLFAIR_REQUIRE_SGLANG=1`` (CI), where that fails.
+Skipped without torch, unless ``SGLFAIR_REQUIRE_SGLANG=1`` (CI), where that fails.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch  # noqa: E402
 
 from sgl_fair.policies import make_policy  # noqa: E402
 from sgl_fair.request import Request, ServiceClass  # noqa: E402
-from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from sgl_fair.worker.scheduler import SchedulerConfig  # noqa: E402
 from sgl_fair.worker.sim.runner import simulate  # noqa: E402
 from sgl_fair.worker.torch_engine.model import LlamaConfig, LlamaModel  # noqa: E402
 from sgl_fair.worker.torch_engine.runner import make_torch_worker  # noqa: E402
@@ -94,8 +93,6 @@ def greedy_full(model: LlamaModel, prompt, n: int) -> list[int]:
 def test_scheduler_and_torch_engine_equal_greedy_full(model, allocator, opts, policy, kv_tokens):
     """Exactness: every allocator, with and without forced checkpoint/swap-in cycles, with
     radix prefix sharing (asserted used), gives the tokens of a no-cache full recompute."""
-    if not hasattr(Scheduler, "kv_slots"):
-        pytest.skip("needs Scheduler.kv_slots (the exact KV cache, landing with worker/kv)")
     sched, engine = make_torch_worker(
         policy=make_policy(policy),
         model=model,
