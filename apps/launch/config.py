@@ -444,6 +444,13 @@ def _check_sglang(a: argparse.Namespace, backend: str, passthrough: list[str], b
     if not urls:
         if kv:
             bad("--worker-kv-endpoint needs --worker-url (the servers it belongs to)")
+        if a.schedule_policy in policy_names() and hasattr(
+            policy_class(a.schedule_policy), "select_batch"
+        ):
+            bad(
+                f"--schedule-policy {a.schedule_policy} chooses whole running batches, which "
+                "SGLang's scheduler does not let our plugin do; use --backend sim or torch"
+            )
         if not a.model_path:
             bad(
                 "--backend sglang needs --model-path (the model each SGLang server loads) "

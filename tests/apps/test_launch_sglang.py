@@ -120,6 +120,15 @@ def test_each_server_gets_its_own_ports_and_log(tmp_path, monkeypatch):
     assert group.first_exit() is None  # nothing started
 
 
+def test_the_plugin_refuses_batch_selecting_policies():
+    """BROS and RR choose the whole running batch: SGLang's scheduler cannot host them, so
+    the plugin refuses them at start-up instead of silently running arrival order."""
+    for policy in ("bros", "rr"):
+        with pytest.raises(ValueError, match="whole running batch"):
+            settings_from_env({"SGLFAIR_SCHEDULE_POLICY": policy})
+    assert settings_from_env({"SGLFAIR_SCHEDULE_POLICY": "vtc"}).policy == "vtc"
+
+
 def test_worker_urls_make_the_workers():
     cfg = parse_config(
         ["--worker-url", "http://10.0.0.1:30000/", "--worker-url", "http://10.0.0.2:30000",
@@ -159,6 +168,8 @@ def test_sim_is_unchanged():
         (["--backend", "sim", "--worker-url", "http://a:1"], "need --backend sglang"),
         (["--worker-url", "http://a:1", "--health-check-timeout", "0"],
          "--health-check-timeout must be > 0"),
+        (["--backend", "sglang", "--model-path", "m", "--schedule-policy", "bros"],
+         "chooses whole running batches"),
     ],
 )  # fmt: skip
 def test_flag_errors_are_one_line(args, needle, capsys):

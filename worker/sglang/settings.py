@@ -38,6 +38,11 @@ class PluginSettings:
         return make_policy(self.policy, **self.opts)
 
 
+def batch_selecting(cls: type) -> bool:
+    """A policy that selects whole batches (seam #1b: BROS, RR), which the plugin cannot host."""
+    return hasattr(cls, "select_batch")
+
+
 def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSettings | None:
     """The plugin's settings, or None when it is off; bad values raise a one-line ValueError
     naming the variable (the plugin turns it into a start-up failure, never a silent
@@ -46,10 +51,16 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSetting
     policy = env.get(ENV_POLICY, "").strip()
     if not policy:
         return None
-    from sgl_fair.policies import policy_names
+    from sgl_fair.policies import policy_class, policy_names
 
     if policy not in policy_names():
         raise ValueError(f"{ENV_POLICY}={policy!r} is unknown; choose from {policy_names()}")
+    if batch_selecting(policy_class(policy)):
+        raise ValueError(
+            f"{ENV_POLICY}={policy!r} chooses each iteration's whole running batch, which "
+            "SGLang's scheduler does not let a plugin do; it runs on our own workers "
+            "(--backend sim or torch), or pick an admission-order policy here"
+        )
     raw = env.get(ENV_POLICY_OPTS, "").strip() or "{}"
     try:
         opts = json.loads(raw)
