@@ -149,19 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
         "know are passed to every SGLang server it starts",
     )  # fmt: skip
     p.add_argument(
-        "--torch-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+        "--torch-dtype", default=None, choices=("float32", "float16", "bfloat16"),
         help="torch: the model's dtype",
     )  # fmt: skip
     p.add_argument(
-        "--torch-device", default="cpu", help="torch: where the model runs (cpu, cuda, cuda:1)"
+        "--torch-device", default=None, help="torch: where the model runs (cpu, cuda, cuda:1)"
     )
     p.add_argument(
-        "--torch-attention", default="reference", choices=("reference", "triton"),
+        "--torch-attention", default=None, choices=("reference", "triton"),
         help="torch: attention over the paged KV (reference: plain torch; triton: the "
         "bidirectional paged kernels, CUDA)",
     )  # fmt: skip
     p.add_argument(
-        "--kv-allocator", default="token", choices=("token", "paged", "bidirectional"),
+        "--kv-allocator", default=None, choices=("token", "paged", "bidirectional"),
         help="the workers' KV allocator, sim and torch (paged: blocks of 16 tokens; "
         "bidirectional: BROS blocks, RT from the left, BE from the right, host checkpoints)",
     )  # fmt: skip
@@ -280,6 +280,16 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
     if a.model is None:
         a.model = "tiny" if backend == "torch" else "Llama-3.1-8B"
     model_path = a.model_path
+    torch_flags = [f"--{f.replace('_', '-')}" for f in TORCH_FLAGS if getattr(a, f) is not None]
+    if torch_flags and backend != "torch":
+        bad(f"{', '.join(torch_flags)}: only with --backend torch")
+    for f, default in TORCH_FLAGS.items():
+        if getattr(a, f) is None:
+            setattr(a, f, default)
+    if a.kv_allocator is None:
+        a.kv_allocator = "token"
+    elif backend == "sglang":
+        bad("--kv-allocator: SGLang servers allocate their own KV (sim or torch backends only)")
     if backend == "torch":
         _check_torch(a, bad)
         if model_path is None and os.path.isdir(a.model):
@@ -417,6 +427,10 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
 
 
 TORCH_PRESETS = ("tiny",)  # worker/torch_engine/model.py's PRESETS (checked by its tests)
+
+
+# --backend torch's flags and their defaults (given with another backend they are an error).
+TORCH_FLAGS = {"torch_dtype": "float32", "torch_device": "cpu", "torch_attention": "reference"}
 
 
 def _check_torch(a: argparse.Namespace, bad: Any) -> None:

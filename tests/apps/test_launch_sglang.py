@@ -170,6 +170,9 @@ def test_sim_is_unchanged():
          "--health-check-timeout must be > 0"),
         (["--backend", "sglang", "--model-path", "m", "--schedule-policy", "bros"],
          "chooses whole running batches"),
+        (["--torch-dtype", "float16"], "--torch-dtype: only with --backend torch"),
+        (["--backend", "sglang", "--model-path", "m", "--kv-allocator", "paged"],
+         "--kv-allocator: SGLang servers allocate their own KV"),
     ],
 )  # fmt: skip
 def test_flag_errors_are_one_line(args, needle, capsys):
