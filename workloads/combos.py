@@ -24,7 +24,7 @@ class Combo:
 
 D2LPM = Combo("D2LPM", "d2lpm", "dlpm")
 RR_LPM = Combo("RR+LPM", "rr", "lpm")
-PREBLE = Combo("Preble", "preble", "lpm")
+PREBLE = Combo("Preble", "preble", "preble-local")  # Preble's router over its own local scheduler
 VTC = Combo("VTC", "per-client-rr", "vtc")
 CACHE_AWARE = Combo("CacheAware+LPM", "cache-aware", "lpm")
 GRID_COMBOS = (D2LPM, RR_LPM, PREBLE, VTC, CACHE_AWARE)

@@ -192,7 +192,18 @@ def client_weight(weights: Mapping[ClientId, float], client: ClientId) -> float:
 def _load_builtin() -> None:
     # Importing the modules runs their @register decorators.
     # bros and rr_class select whole batches (seam #1b).
-    from sgl_fair.policies import bros, dlpm, fairserve, fcfs, lcf, lpm, rpm, rr_class, vtc  # noqa: F401
+    from sgl_fair.policies import (  # noqa: F401
+        bros,
+        dlpm,
+        fairserve,
+        fcfs,
+        lcf,
+        lpm,
+        preble_local,
+        rpm,
+        rr_class,
+        vtc,
+    )
 
 
 POLICIES = Registry("policy", load=_load_builtin)
