@@ -137,7 +137,8 @@ class Generation:
             stage=self.sched.stage,
         )
         self.call = self.state.service.submit(req, self.who.client)
-        self.state.telemetry.submitted(self.who.client, self.sched.priority_class)
+        if not self.call.done.is_set():  # else the router's cluster OIT refused it
+            self.state.telemetry.submitted(self.who.client, self.sched.priority_class)
         self.submitted.set()
 
     async def start_after_lead(self) -> None:

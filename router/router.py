@@ -2,6 +2,7 @@
 
 The simulator and the live server drive the same object; time is passed in::
 
+    router.admit(req, now) -> Rejection|None cluster-level OIT (when built with ``oit=``)
     router.dispatch(req, now) -> Dispatch    match → policy.select → record → policy hook
     router.handle(msg, now)                  Tokens / Finished / Evicted / Load, as they come
     router.apply_kv_ops(u, ops, t_s)         SGLang-format KV events, decoded (kv_events.py)
@@ -27,8 +28,10 @@ from dataclasses import dataclass
 
 from sgl_fair.kv_events import Cleared, Removed, Stored, TreeOp
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
+from sgl_fair.policies.base import Rejection
 from sgl_fair.request import ClientId, Request
 from sgl_fair.router.global_tree import GlobalTree
+from sgl_fair.router.oit import ClusterOIT
 from sgl_fair.router.policies.base import RouterPolicy
 
 
@@ -56,7 +59,10 @@ class Router:
         *,
         insert_outputs: bool = True,
         max_tree_tokens: int | None = None,
+        oit: ClusterOIT | None = None,
     ) -> None:
+        """``oit``: FairServe's throttling over the cluster (``router/oit.py``), checked by
+        ``admit`` before a request is dispatched; None: every request is admitted."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         if max_tree_tokens is not None and max_tree_tokens < 0:
@@ -65,12 +71,14 @@ class Router:
         self.tree = GlobalTree()
         self.insert_outputs = insert_outputs
         self.max_tree_tokens = max_tree_tokens
+        self.oit = oit
         self.now = 0.0
         self.inflight: dict[str, tuple[int, ClientId]] = {}  # rid -> (worker, client)
         self.stats: dict[int, WorkerStats] = {u: WorkerStats() for u in range(num_workers)}
         self._queue_len: dict[int, int] = dict.fromkeys(range(num_workers), 0)
         self._workers: tuple[int, ...] = tuple(range(num_workers))
         self._loads: dict[int, Load] = {}
+        self._load_seen: dict[int, float] = {}  # when (router clock) the latest Load came
         self._evicted_s: dict[int, float] = {}  # latest Evicted.t_s per worker
 
     # ---- RouterView ------------------------------------------------------------------------
@@ -86,6 +94,20 @@ class Router:
     def load(self, worker: int) -> Load | None:
         """The most recent ``Load`` report from ``worker`` (by its timestamp), if any."""
         return self._loads.get(worker)
+
+    def load_seen_s(self, worker: int) -> float | None:
+        """When (the router's ``now``) it took ``worker``'s latest ``Load``, if any."""
+        return self._load_seen.get(worker)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def admit(self, req: Request, now: float) -> Rejection | None:
+        """Whether ``req`` may be dispatched: the cluster OIT's verdict (None: yes). Call it
+        once per request that arrives (a re-dispatch after a worker died is no arrival)."""
+        if self.oit is None:
+            return None
+        self.now = now
+        return self.oit.on_arrival(req, now, self, self.inflight)
 
     # ---- dispatch --------------------------------------------------------------------------
 
@@ -122,6 +144,7 @@ class Router:
             latest = self._loads.get(msg.worker)
             if latest is None or msg.t_s >= latest.t_s:
                 self._loads[msg.worker] = msg
+                self._load_seen[msg.worker] = now
         else:
             raise TypeError(f"not a worker message: {msg!r}")
 
@@ -136,6 +159,8 @@ class Router:
         stats.num_finished += 1
         if not msg.ok:
             stats.num_failed += 1
+        if self.oit is not None:
+            self.oit.on_finished(msg.rid, self.now)
         self.policy.on_finished(msg, self)
         if (
             self.insert_outputs
@@ -220,6 +245,7 @@ class Router:
         del self._queue_len[worker]
         self._workers = tuple(sorted(self._queue_len))
         self._loads.pop(worker, None)
+        self._load_seen.pop(worker, None)
         self._evicted_s.pop(worker, None)
         self.tree.remove_worker(worker)
         self.policy.on_worker_removed(worker)

@@ -105,6 +105,8 @@ def info_routes(state: ServerState) -> list[Route]:
             "schedule_policy_opts": cfg.schedule_policy_opts,
             "router_policy": cfg.router_policy,
             "router_policy_opts": cfg.router_policy_opts,
+            "cluster_oit": svc.router.oit is not None,
+            "cluster_oit_opts": getattr(cfg, "cluster_oit_opts", {}) if svc.router.oit else None,
             "chunked_prefill_size": cfg.chunked_prefill_size,
             "max_running_requests": cfg.max_running_requests,
             "context_length": limits.context_len,

@@ -48,6 +48,7 @@ from sgl_fair.messages import (
     Tokens,
 )
 from sgl_fair.request import Request
+from sgl_fair.router.oit import refusal
 from sgl_fair.router.protocol.scheduling import throttle_of
 from sgl_fair.router.router import Router
 from sgl_fair.router.telemetry import Telemetry
@@ -233,10 +234,18 @@ class RouterService:
     # ---- requests ---------------------------------------------------------------------------
 
     def submit(self, req: Request, tenant: str) -> Call:
-        """Dispatch ``req``; raises NoWorkerError when no worker is alive."""
+        """Dispatch ``req``; raises NoWorkerError when no worker is alive. A request the
+        router's cluster OIT refuses comes back done, with its ``Finished(REJECTED)``."""
         if req.rid in self.calls:
             raise ValueError(f"request id {req.rid!r} is already in flight")
         call = Call(req, tenant, self.clock())
+        rejection = self.router.admit(req, call.submit_s)  # the cluster OIT, if on
+        if rejection is not None:  # answered as a worker's refusal would be: never sent
+            call.finished = refusal(req, rejection, call.submit_s)
+            call.done.set()
+            call.updated.set()
+            self._account(call, call.finished, call.submit_s)
+            return call
         self._dispatch(call)
         self.calls[req.rid] = call
         return call
@@ -479,7 +488,8 @@ class RouterService:
             self.telemetry.rejected(call.tenant, why)
             throttle = throttle_of(msg.limit)
             if throttle is not None:
-                self.telemetry.throttled(call.tenant, call.req.app, throttle.limit)
+                where = "router" if msg.worker < 0 else "worker"
+                self.telemetry.throttled(call.tenant, call.req.app, throttle.limit, where)
             return
         outcome = "ok" if msg.ok else ("stopped" if call.aborted == "stop" else "aborted")
         self.telemetry.finished(

@@ -18,6 +18,7 @@ from starlette.requests import Request as HTTPRequest
 
 from sgl_fair import config as tenants_mod
 from sgl_fair.router import protocol as P
+from sgl_fair.router.oit import ClusterOIT
 from sgl_fair.router.policies import make_router_policy
 from sgl_fair.router.router import Router
 from sgl_fair.router.service import RouterService
@@ -72,11 +73,15 @@ class ServerState:
         output, as its best guess."""
         kv_cap = kv_capacity_tokens
         context = cfg.context_length or context_len
+        oit = None
+        if getattr(cfg, "cluster_oit", False):  # FairServe's OIT over the cluster (oit.py)
+            oit = ClusterOIT(**getattr(cfg, "cluster_oit_opts", {}))
         router = Router(
             make_router_policy(cfg.router_policy, **cfg.router_policy_opts),
             cfg.dp,
             insert_outputs=not follow_kv_events,  # else the workers' KV events say it
             max_tree_tokens=cfg.max_tree_tokens,
+            oit=oit,
         )
         telemetry = Telemetry()
         telemetry.watch_tree(router.tree)

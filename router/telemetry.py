@@ -3,8 +3,9 @@
 Per tenant: requests by outcome, input / cached / output tokens, service (the fairness
 currency: extend tokens + ``output_weight`` × output tokens, as the schedulers count it),
 rejections by reason, TTFT and end-to-end latency histograms, requests by service class
-(RT / BE) and FairServe throttles by app and limit. Per worker: the router's
-queue length and the worker's own gauges from its ``Load`` reports, and whether it is alive.
+(RT / BE) and FairServe throttles by app, limit and where (a worker or the router). Per
+worker: the router's queue length and the worker's own gauges from its ``Load`` reports,
+and whether it is alive.
 One registry per server, so tests can run several in one process.
 """
 
@@ -69,9 +70,10 @@ class Telemetry:
         )
         self.throttled_total = Counter(
             p + "requests_throttled",
-            "Requests throttled by FairServe's OIT (HTTP 429), by tenant, app and the limit "
-            "they were over (user or app)",
-            ["tenant", "app", "limit"],
+            "Requests throttled by FairServe's OIT (HTTP 429), by tenant, app, the limit "
+            "they were over (user or app) and where (worker: a worker's own OIT; router: "
+            "the cluster OIT)",
+            ["tenant", "app", "limit", "where"],
             registry=r,
         )
         self._apps: set[str] = set()
@@ -170,16 +172,17 @@ class Telemetry:
     def submitted(self, tenant: str, priority_class: str) -> None:
         self.by_class.labels(tenant, priority_class).inc()
 
-    def throttled(self, tenant: str, app: str | None, limit: str) -> None:
-        """A throttled request. ``app`` comes from clients: past ``MAX_APP_LABELS``
-        distinct apps the rest are counted as ``"other"`` (bounded label cardinality)."""
+    def throttled(self, tenant: str, app: str | None, limit: str, where: str = "worker") -> None:
+        """A throttled request, by a worker's OIT or the router's (``where``). ``app`` comes
+        from clients: past ``MAX_APP_LABELS`` distinct apps the rest are counted as
+        ``"other"`` (bounded label cardinality)."""
         app = app or ""
         if app not in self._apps:
             if len(self._apps) >= MAX_APP_LABELS:
                 app = "other"
             else:
                 self._apps.add(app)
-        self.throttled_total.labels(tenant, app, limit).inc()
+        self.throttled_total.labels(tenant, app, limit, where).inc()
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()

@@ -14,6 +14,7 @@ from typing import Any
 
 from sgl_fair.config import ConfigError, TenantTable, load_tenants
 from sgl_fair.policies import make_policy, policy_class, policy_names
+from sgl_fair.router.oit import SHARED_KEYS, ClusterOITConfig
 from sgl_fair.router.policies import make_router_policy, router_policy_names
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.hardware import GPUS, MODELS, get_gpu, get_model
@@ -33,6 +34,8 @@ class LaunchConfig:
     schedule_policy_opts: dict[str, Any] = field(default_factory=dict)
     router_policy: str = "d2lpm"
     router_policy_opts: dict[str, Any] = field(default_factory=dict)
+    cluster_oit: bool = False  # FairServe's OIT at the router, over the cluster (router/oit.py)
+    cluster_oit_opts: dict[str, Any] = field(default_factory=dict)  # its options, resolved
     chunked_prefill_size: int = 8192
     max_running_requests: int = 256
     backend: str = "sim"
@@ -139,6 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="router policy: " + ", ".join(router_policy_names()),
     )
     p.add_argument("--router-policy-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--cluster-oit", choices=("auto", "on", "off"), default="auto",
+        help="FairServe's throttling at the router, over the whole cluster from the workers' "
+        "Load reports (auto: on with --schedule-policy fairserve, unless its throttle=false)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cluster-oit-opt", action="append", default=[], metavar="KEY=VALUE",
+        help="the cluster OIT's options: max_waiting (per worker), kv_threshold, "
+        "interaction_timeout_s, stale_after_s, limits.* (default: fairserve's own "
+        "--schedule-policy-opt values)",
+    )  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument(
@@ -362,6 +376,13 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         make_router_policy(a.router_policy, **router_opts)
     except ValueError as e:
         bad(str(e))
+    try:
+        oit_on, oit_opts = cluster_oit_settings(
+            a.schedule_policy, sched_opts, a.cluster_oit,
+            _kv(a.cluster_oit_opt, "--cluster-oit-opt"),
+        )  # fmt: skip
+    except ValueError as e:
+        bad(str(e) if str(e).startswith("--cluster-oit-opt") else f"--cluster-oit-opt: {e}")
     if a.tenants is not None:
         try:
             load_tenants(a.tenants)
@@ -387,6 +408,8 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         schedule_policy_opts=sched_opts,
         router_policy=a.router_policy,
         router_policy_opts=router_opts,
+        cluster_oit=oit_on,
+        cluster_oit_opts=oit_opts,
         chunked_prefill_size=a.chunked_prefill_size,
         max_running_requests=a.max_running_requests,
         backend=backend,
@@ -508,3 +531,33 @@ def local_policy_opts(cfg: LaunchConfig, tenants: TenantTable | None) -> dict[st
         if "weights" in fields_:
             opts["weights"] = dict(tenants.weights)
     return opts
+
+
+def cluster_oit_settings(
+    schedule_policy: str, sched_opts: dict[str, Any], mode: str, opts: dict[str, Any]
+) -> tuple[bool, dict[str, Any]]:
+    """``--cluster-oit`` and ``--cluster-oit-opt`` resolved: whether the router throttles,
+    and with which options. ``auto`` is on for the ``fairserve`` local policy unless it runs
+    with ``throttle=false``. The options fairserve shares (``max_waiting``, ``kv_threshold``,
+    ``interaction_timeout_s``, ``limits``) default to its ``--schedule-policy-opt`` values;
+    ``--cluster-oit-opt`` overrides them (``limits`` key by key). Bad values: ValueError."""
+    on = mode == "on" or (
+        mode == "auto" and schedule_policy == "fairserve" and sched_opts.get("throttle", True)
+    )
+    if not on:
+        if opts:
+            why = "--cluster-oit off" if mode == "off" else f"--schedule-policy {schedule_policy}"
+            raise ValueError(f"--cluster-oit-opt: the cluster OIT is off ({why}); add "
+                             "--cluster-oit on")  # fmt: skip
+        return False, {}
+    merged: dict[str, Any] = {}
+    fields_ = getattr(policy_class(schedule_policy).Config, "__dataclass_fields__", {})
+    if "limits" in fields_:  # fairserve and its variants: share their OIT options
+        merged = {k: sched_opts[k] for k in SHARED_KEYS if k in sched_opts}
+    for key, value in opts.items():
+        if key == "limits" and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    ClusterOITConfig.from_options(**merged)  # checks them
+    return True, merged

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sgl_fair.messages import Dispatch, Finished
-from sgl_fair.policies.base import Policy
+from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.records import RequestRecord, ServiceEvent
-from sgl_fair.request import Request
+from sgl_fair.request import Phase, Request
 from sgl_fair.worker.engine import StepResult
 from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from sgl_fair.worker.service import WorkerCore
@@ -57,6 +57,9 @@ class ProgramLike(Protocol):
 
 
 class RouterLike(Protocol):
+    """``admit(req, now) -> Rejection | None``, when the router has it, is asked first (the
+    cluster OIT): a refused call is recorded rejected and never reaches a worker."""
+
     def dispatch(self, req: Request, now: float) -> Dispatch: ...
 
     def handle(self, msg: Any, now: float) -> None: ...
@@ -113,7 +116,7 @@ class SimWorker:
 @dataclass
 class ClusterResult:
     workers: list[SimWorker]
-    submitted: list[Request]  # every call that reached the router, in dispatch order
+    submitted: list[Request]  # every call that reached the router (refused ones too), in order
     programs: list[Any]
     t_end_s: float
     wall_s: float
@@ -188,6 +191,7 @@ def simulate_cluster(
     for req in requests:
         push(req.arrival_s, _CALL, (None, req))
 
+    admit = getattr(router, "admit", None)  # the router's admission (cluster OIT), if any
     owner: dict[str, Any] = {}  # rid -> program (None for open-loop requests)
     calls: dict[str, Request] = {}  # rid -> request, while in flight
     submitted: list[Request] = []
@@ -257,11 +261,16 @@ def simulate_cluster(
                 run_step(w, t)
         elif kind == _CALL:
             prog, req = payload
-            owner[req.rid] = prog
-            calls[req.rid] = req
             submitted.append(req)
-            dispatch = router.dispatch(req, t)
-            push(t + delay, _TO_WORKER, dispatch)
+            rejection = admit(req, t) if admit is not None else None
+            if rejection is not None:  # the router's cluster OIT refused it: never sent
+                _refuse(req, rejection)
+                if prog is not None:
+                    prog.on_failed(req, t)
+            else:
+                owner[req.rid] = prog
+                calls[req.rid] = req
+                push(t + delay, _TO_WORKER, router.dispatch(req, t))
         else:  # _START
             started_programs += 1
             issue(payload, payload.start(t), t)
@@ -280,6 +289,17 @@ def simulate_cluster(
         unfinished=len(calls),
         unissued_programs=len(programs) - started_programs,
     )
+
+
+def _refuse(req: Request, rejection: Rejection) -> None:
+    """Record a router refusal on ``req`` as a worker's scheduler records its own."""
+    req.phase = Phase.REJECTED  # no finish_s: as the scheduler leaves its own refusals
+    req.reject_reason = rejection.reason
+    req.reject_retry_after_s = rejection.retry_after_s
+    if rejection.limit is not None:
+        req.reject_limit = (
+            rejection.limit, rejection.limit_max or 0, rejection.limit_window_s or 0.0,
+        )  # fmt: skip
 
 
 def _check(workers: Sequence[SimWorker], router: Any) -> None:
