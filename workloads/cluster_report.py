@@ -25,7 +25,9 @@ COLUMNS = (
     ("workload", "workload", "{}"),
     ("scenario", "scen.", "{}"),
     ("x", "x", "{:g}"),
-    ("throughput_tok_s", "tok/s", "{:.0f}"),
+    ("offered_tok_s", "offered tok/s", "{:.0f}"),
+    ("served_tok_s", "served tok/s", "{:.0f}"),
+    ("throughput_tok_s", "drained tok/s", "{:.0f}"),
     ("jain", "Jain", "{:.3f}"),
     ("jain_actual", "Jain act.", "{:.3f}"),
     ("p50_well_behaved_s", "WB p50 s", "{:.1f}"),
@@ -61,7 +63,7 @@ def plot_grid(rows: list[dict[str, Any]], path: Path) -> None:
     plt = _plt()
     panels = sorted(_by(rows, "workload", "scenario"), key=str)
     metrics = (
-        ("throughput_tok_s", "throughput (tok/s)", False),
+        ("served_tok_s", "served while arriving (tok/s)", False),
         ("jain", "Jain's index", False),
         ("p99_well_behaved_s", "well-behaved P99 (s)", True),
     )

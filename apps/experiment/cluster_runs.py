@@ -39,7 +39,7 @@ from sgl_fair.workloads.program_metrics import (
     service_series,
     well_behaved_latency_of,
 )
-from sgl_fair.workloads.programs import generate_programs, workload
+from sgl_fair.workloads.programs import generate_programs, program_demand, workload
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,9 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     summary = metrics.summarize(perceived, records, window_s=max(spec.duration_s / 10, 10.0))
     actual = metrics.EventArrays.from_events(events, ACTUAL)
     well = {c.client for c in clients if c.well_behaved}
+    demand = program_demand(programs).values()
+    offered_tok_s = sum(d.input_tokens + d.output_tokens for d in demand) / spec.duration_s
+    served_tok_s = metrics.throughput(records, events, t0=0.0, t1=spec.duration_s)["tok_s"]
     interval = metrics.active_interval(records)
     jain_actual = None
     if interval is not None and interval[1] > interval[0]:
@@ -144,6 +147,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         "x": spec.x,
         **well_behaved_latency(result, records, well, use_ttft=spec.workload == "longqa"),
         **summary,
+        "offered_tok_s": offered_tok_s,
+        "served_tok_s": served_tok_s,
         "jain_actual": jain_actual,
         "misbehaving": sorted(c.client for c in clients if not c.well_behaved),
         "num_programs": len(programs),

@@ -28,10 +28,30 @@ holder whose queue is at most ``max_queue_ratio`` × the mean queue of the alive
 holds the prefix too, so locality spreads instead of piling up). ``max_queue_ratio = inf``
 is the paper's exact rule.
 
+**Sliding deficits** *(beyond the paper; ``deficits="sliding"``)*. The paper replenishes a
+client only when its deficit is spent on *every* worker, so late in a round a client has one
+or two eligible workers left and its calls go there whatever they hold. The sliding rule keeps
+the quantity the paper's bound is about — how far a client's charged service on one worker
+runs ahead of its least-charged worker, at most ``Q_u`` plus one request and the outputs in
+flight — but measures it continuously: before each dispatch, the client's deficits are shifted
+(each by the same number of its own quanta) so that its least-charged worker holds exactly
+``Q_u``. A worker is eligible while ``S[u] / Q_u < min_v S[v] / Q_v + 1``; a (re)joining
+worker starts level with the least-charged one. Same spread bound (tested), never a round
+with few eligible workers.
+
+**Load in outstanding tokens** *(beyond the paper; ``load="tokens"``)*. "Least queued"
+counts requests; a 16-call fan-out of 2,000-token prompts then looks like 16 chats. With
+``load="tokens"`` the least-loaded choice and the load guard use each worker's outstanding
+work in the deficits' units (``router/policies/outstanding.py``): ``w_e`` × uncached input
++ ``w_o`` × the client's mean output so far, from dispatch until the request finishes; the
+guard's slack is ``queue_slack`` mean-priced requests.
+
 Options (``make_router_policy("d2lpm", ...)``): ``quantum`` (10,000.0, service units; may be
 ``float('inf')``), ``quanta`` (per-worker overrides of ``quantum``, ``{}``),
 ``extend_weight`` (``w_e``, 1.0), ``output_weight`` (``w_o``, 2.0), ``max_queue_ratio``
-(2.0; ``inf``: off), ``queue_slack`` (8 requests).
+(2.0; ``inf``: off), ``queue_slack`` (8 requests), ``deficits`` (``"rounds"``: the paper's;
+``"sliding"``), ``load`` (``"requests"``: the paper's; ``"tokens"``), ``default_output_len``
+(128.0: the expected output of a client with none finished yet, for ``load="tokens"``).
 """
 
 from __future__ import annotations
@@ -50,6 +70,10 @@ from sgl_fair.router.policies.base import (
     least_queued,
     register_router_policy,
 )
+from sgl_fair.router.policies.outstanding import OutstandingWork
+
+LOADS = ("requests", "tokens")
+DEFICIT_RULES = ("rounds", "sliding")
 
 
 @register_router_policy("d2lpm")
@@ -62,6 +86,9 @@ class D2LPM(BaseRouterPolicy):
         output_weight: float = 2.0
         max_queue_ratio: float = 2.0
         queue_slack: float = 8.0
+        load: str = "requests"
+        deficits: str = "rounds"
+        default_output_len: float = 128.0
 
         def __post_init__(self) -> None:
             check_positive("d2lpm", quantum=self.quantum)
@@ -72,6 +99,17 @@ class D2LPM(BaseRouterPolicy):
             if not (self.queue_slack >= 0 and math.isfinite(self.queue_slack)):
                 raise ValueError(
                     f"d2lpm: queue_slack must be finite and >= 0 (got {self.queue_slack})"
+                )
+            if self.deficits not in DEFICIT_RULES:
+                raise ValueError(
+                    f"d2lpm: deficits must be one of {DEFICIT_RULES} (got {self.deficits!r})"
+                )
+            if self.load not in LOADS:
+                raise ValueError(f"d2lpm: load must be one of {LOADS} (got {self.load!r})")
+            if not (self.default_output_len > 0 and math.isfinite(self.default_output_len)):
+                raise ValueError(
+                    "d2lpm: default_output_len must be finite and > 0 "
+                    f"(got {self.default_output_len})"
                 )
             for worker, q in self.quanta.items():
                 check_positive("d2lpm", **{f"quanta[{worker}]": q})
@@ -85,6 +123,13 @@ class D2LPM(BaseRouterPolicy):
         self._deficits: dict[ClientId, dict[int, float]] = {}  # client -> worker -> D
         self._unbounded = {u for u, q in self.config.quanta.items() if q == math.inf}
         self._bounded = {u for u, q in self.config.quanta.items() if q != math.inf}
+        self._work: OutstandingWork | None = None
+        if self.config.load == "tokens":
+            self._work = OutstandingWork(
+                extend_weight=self.config.extend_weight,
+                output_weight=self.config.output_weight,
+                default_output_len=self.config.default_output_len,
+            )
 
     def quantum_of(self, worker: int) -> float:
         return self.config.quanta.get(worker, self.config.quantum)
@@ -104,6 +149,8 @@ class D2LPM(BaseRouterPolicy):
     def select(self, req: Request, match: GlobalMatch, view: RouterView) -> int:
         workers = view.workers
         client = req.client
+        if self.config.deficits == "sliding":
+            self._slide(workers, client)
         eligible = self._eligible(workers, client)
         if not eligible:
             self._replenish(workers, client)
@@ -112,16 +159,25 @@ class D2LPM(BaseRouterPolicy):
             holders = match.holders
             local = [u for u in eligible if u in holders and not self._overloaded(u, view)]
             if local:
-                return least_queued(local, view)
-        return least_queued(eligible, view)
+                return self._least_loaded(local, view)
+        return self._least_loaded(eligible, view)
+
+    def _least_loaded(self, workers: Sequence[int], view: RouterView) -> int:
+        if self._work is None:
+            return least_queued(workers, view)
+        return min(workers, key=self._work.of)  # ties: the first, i.e. the lowest id
 
     def _overloaded(self, worker: int, view: RouterView) -> bool:
         ratio = self.config.max_queue_ratio
         if ratio == math.inf:
             return False
         workers = view.workers
-        mean = sum(view.queue_len(u) for u in workers) / len(workers)
-        return view.queue_len(worker) > ratio * mean + self.config.queue_slack
+        if self._work is None:
+            mean = sum(view.queue_len(u) for u in workers) / len(workers)
+            return view.queue_len(worker) > ratio * mean + self.config.queue_slack
+        work = self._work
+        mean = sum(work.of(u) for u in workers) / len(workers)
+        return work.of(worker) > ratio * mean + self.config.queue_slack * work.mean_price
 
     def _replenish(self, workers: Sequence[int], client: ClientId) -> None:
         # Every D[u][c] <= 0 and every Q_u finite here; the fewest rounds that make some
@@ -130,6 +186,22 @@ class D2LPM(BaseRouterPolicy):
         rounds = min(math.floor(-d.get(u, 0.0) / self.quantum_of(u)) + 1 for u in workers)
         for u in workers:
             d[u] = d.get(u, 0.0) + rounds * self.quantum_of(u)
+
+    def _slide(self, workers: Sequence[int], client: ClientId) -> None:
+        """The sliding rule: shift the client's deficits (each by the same number of its own
+        quanta) so that its least-charged worker holds exactly one quantum. A worker the
+        client has no deficit on yet (new client, (re)joined worker) starts level with that
+        least-charged one."""
+        d = self._deficits.setdefault(client, {})
+        bounded = [u for u in workers if self.quantum_of(u) != math.inf]
+        if not bounded:
+            return
+        levels = [d[u] / self.quantum_of(u) for u in bounded if u in d]
+        top = max(levels) if levels else 1.0
+        shift = 1.0 - top
+        for u in bounded:
+            q = self.quantum_of(u)
+            d[u] = (d[u] if u in d else top * q) + shift * q
 
     def _charge(self, worker: int, client: ClientId, service: float) -> None:
         d = self._deficits.get(client)
@@ -142,11 +214,17 @@ class D2LPM(BaseRouterPolicy):
     ) -> None:
         extend_len = req.input_len - match.per_worker.get(worker, 0)
         self._charge(worker, req.client, self.config.extend_weight * extend_len)
+        if self._work is not None:
+            self._work.dispatched(req, worker, extend_len)
 
     def on_finished(self, msg: Finished, view: RouterView) -> None:
         if msg.worker in view.workers:
             self._charge(msg.worker, msg.client, self.config.output_weight * msg.num_output)
+        if self._work is not None:
+            self._work.finished(msg)
 
     def on_worker_removed(self, worker: int) -> None:
         for d in self._deficits.values():
             d.pop(worker, None)
+        if self._work is not None:
+            self._work.worker_removed(worker)

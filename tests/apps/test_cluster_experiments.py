@@ -28,6 +28,8 @@ ROW_FIELDS = {
     "p50_well_behaved_s",
     "p99_well_behaved_s",
     "throughput_tok_s",
+    "offered_tok_s",
+    "served_tok_s",
     "jain",
     "jain_actual",
     "cache_hit_rate",
@@ -148,3 +150,36 @@ def test_run_cluster_experiment_api_without_processes():
     )
     assert len(res.rows) == 1 and res.rows[0]["workload"] == "chat"
     assert res.to_json()["all_claims_passed"] is True  # no claims: one run
+
+
+def _grid_cell(**d2lpm):
+    """One fabricated tot-s2 dp=2 cell: D2LPM passes every grid claim unless overridden."""
+    base = {"workload": "tot", "scenario": "s2", "dp": 2, "offered_tok_s": 200.0}
+    rows = [
+        {**base, "policy": "VTC", "served_tok_s": 50.0, "jain": 0.95, "p99_well_behaved_s": 40.0},
+        {**base, "policy": "RR+LPM", "served_tok_s": 90.0, "jain": 0.7, "p99_well_behaved_s": 60},
+        {**base, "policy": "Preble", "served_tok_s": 100.0, "jain": 0.7, "p99_well_behaved_s": 30},
+        {**base, "policy": "CacheAware+LPM", "served_tok_s": 95.0, "jain": 0.7,
+         "p99_well_behaved_s": 50.0},
+        {**base, "policy": "D2LPM", "served_tok_s": 110.0, "jain": 0.93, "p99_well_behaved_s": 9.0,
+         **d2lpm},
+    ]  # fmt: skip
+    return [{k: v for k, v in r.items() if v is not None} for r in rows]
+
+
+@pytest.mark.parametrize(
+    "change,failing",
+    [
+        ({}, set()),
+        ({"served_tok_s": 190.0}, {0}),  # the best system serves 95 % of the offer
+        ({"served_tok_s": 94.0}, {2, 3}),  # < 2x VTC, < 0.95x Preble
+        ({"served_tok_s": 40.0}, {1, 2, 3}),
+        ({"jain": 0.91}, {4}),  # more than 0.03 below VTC
+        ({"p99_well_behaved_s": 12.0}, {6}),  # better than Preble, not 3x
+        ({"p99_well_behaved_s": 31.0}, {5, 6}),
+    ],
+)
+def test_grid_claims_are_the_issues_targets_and_can_fail(change, failing):
+    claims = EXPERIMENTS["d2lpm-grid"].claims(_grid_cell(**change))
+    assert len(claims) == 7
+    assert {i for i, c in enumerate(claims) if not c.passed} == failing, claims

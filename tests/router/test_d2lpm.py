@@ -233,12 +233,14 @@ def simulate(
     num_workers: int = 4,
     check=None,
     max_queue_ratio: float = 2.0,
+    **router_opts,
 ) -> list[float]:
     """Run the cluster; returns served[A] - served[B] after every completion.
-    ``max_queue_ratio = inf``: the paper's rule, no load guard (pure locality at Q = inf)."""
+    ``max_queue_ratio = inf``: the paper's rule, no load guard (pure locality at Q = inf);
+    ``router_opts``: more D2LPM options (``overdraft``, ``load``)."""
     policy = make_router_policy(
         "d2lpm", quantum=quantum, extend_weight=W_E, output_weight=W_O,
-        max_queue_ratio=max_queue_ratio,
+        max_queue_ratio=max_queue_ratio, **router_opts,
     )  # fmt: skip
     router = Router(policy, num_workers)
     state = Cluster(router, {"A": 0.0, "B": 0.0}, {}, {"A": 0, "B": 0})
