@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_cluster_quality  # noqa: E402
 import bench_flood  # noqa: E402
 import bench_live  # noqa: E402
+import bench_live_cell  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
@@ -42,6 +43,7 @@ def main() -> None:
         "router": bench_router.main(),
         "cluster_quality": bench_cluster_quality.main([]),
         "live": bench_live.main(),
+        "live_cell": bench_live_cell.main([]),
         "flood": bench_flood.main([]),
         "sglang_adapter": bench_sglang_adapter.main(),
     }
