@@ -23,10 +23,12 @@ worker that (re)joins starts at 0.
 hot prefix costs almost nothing to extend while its outputs are charged only when requests
 finish: one tenant's 3,000 requests on one cached prefix all went to the worker holding it,
 2,824 of them waiting there, while three workers sat idle. So locality is taken only from a
-holder whose queue is at most ``max_queue_ratio`` × the mean queue of the alive workers plus
-``queue_slack``; past it the request goes to the least-queued eligible worker (which then
-holds the prefix too, so locality spreads instead of piling up). ``max_queue_ratio = inf``
-is the paper's exact rule.
+holder whose queue is at most ``max_queue_ratio`` × the *least-queued* alive worker's queue
+plus ``queue_slack``; past it the request goes to the least-queued eligible worker (which
+then holds the prefix too, so locality spreads instead of piling up). Measured against the
+least-queued worker, not the mean: against the mean, two holders could split a burst while
+two workers stayed idle (each at exactly 2× the mean: live, 1,377 and 1,376 queued beside 0
+and 0). ``max_queue_ratio = inf`` is the paper's exact rule.
 
 **Sliding deficits** *(beyond the paper; ``deficits="sliding"``)*. The paper replenishes a
 client only when its deficit is spent on *every* worker, so late in a round a client has one
@@ -46,12 +48,21 @@ work in the deficits' units (``router/policies/outstanding.py``): ``w_e`` × unc
 + ``w_o`` × the client's mean output so far, from dispatch until the request finishes; the
 guard's slack is ``queue_slack`` mean-priced requests.
 
-Options (``make_router_policy("d2lpm", ...)``): ``quantum`` (10,000.0, service units; may be
+**Defaults** *(beyond the paper)*: sliding deficits and ``Q_u`` = 300,000 service units —
+about 20 s of one worker's service per client — so the router's deficits bind over long
+horizons and leave per-worker fairness to the workers' DLPM. Measured over the whole
+``d2lpm-grid`` (BENCHMARKS.md, session 7), against the paper's rounds with ``Q_u`` = 10,000:
+per-worker deficits of 10,000 moved a client's follow-up calls off the worker holding their
+prefix (611 of 3,330 dispatches in a ToT-S2 cell), losing locality (hit rate 0.82 vs 0.95)
+with no fairness gained. ``deficits="rounds", quantum=10_000`` is the paper's setting.
+
+Options (``make_router_policy("d2lpm", ...)``): ``quantum`` (300,000.0, service units; may be
 ``float('inf')``), ``quanta`` (per-worker overrides of ``quantum``, ``{}``),
 ``extend_weight`` (``w_e``, 1.0), ``output_weight`` (``w_o``, 2.0), ``max_queue_ratio``
-(2.0; ``inf``: off), ``queue_slack`` (8 requests), ``deficits`` (``"rounds"``: the paper's;
-``"sliding"``), ``load`` (``"requests"``: the paper's; ``"tokens"``), ``default_output_len``
-(128.0: the expected output of a client with none finished yet, for ``load="tokens"``).
+(2.0; ``inf``: off), ``queue_slack`` (8 requests), ``deficits`` (``"sliding"``;
+``"rounds"``: the paper's), ``load`` (``"requests"``: the paper's; ``"tokens"``),
+``default_output_len`` (128.0: the expected output of a client with none finished yet, for
+``load="tokens"``).
 """
 
 from __future__ import annotations
@@ -80,14 +91,14 @@ DEFICIT_RULES = ("rounds", "sliding")
 class D2LPM(BaseRouterPolicy):
     @dataclass(frozen=True)
     class Config:
-        quantum: float = 10_000.0
+        quantum: float = 300_000.0
         quanta: Mapping[int, float] = field(default_factory=dict)
         extend_weight: float = 1.0
         output_weight: float = 2.0
         max_queue_ratio: float = 2.0
         queue_slack: float = 8.0
         load: str = "requests"
-        deficits: str = "rounds"
+        deficits: str = "sliding"
         default_output_len: float = 128.0
 
         def __post_init__(self) -> None:
@@ -168,16 +179,19 @@ class D2LPM(BaseRouterPolicy):
         return min(workers, key=self._work.of)  # ties: the first, i.e. the lowest id
 
     def _overloaded(self, worker: int, view: RouterView) -> bool:
+        """Whether ``worker`` is too busy to be given a request for locality's sake: its
+        queue is over ``max_queue_ratio`` × the least-queued alive worker's plus
+        ``queue_slack`` (in requests, or in outstanding tokens with ``load="tokens"``)."""
         ratio = self.config.max_queue_ratio
         if ratio == math.inf:
             return False
         workers = view.workers
         if self._work is None:
-            mean = sum(view.queue_len(u) for u in workers) / len(workers)
-            return view.queue_len(worker) > ratio * mean + self.config.queue_slack
+            least = min(view.queue_len(u) for u in workers)
+            return view.queue_len(worker) > ratio * least + self.config.queue_slack
         work = self._work
-        mean = sum(work.of(u) for u in workers) / len(workers)
-        return work.of(worker) > ratio * mean + self.config.queue_slack * work.mean_price
+        least = min(work.of(u) for u in workers)
+        return work.of(worker) > ratio * least + self.config.queue_slack * work.mean_price
 
     def _replenish(self, workers: Sequence[int], client: ClientId) -> None:
         # Every D[u][c] <= 0 and every Q_u finite here; the fewest rounds that make some

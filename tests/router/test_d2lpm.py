@@ -1,4 +1,6 @@
-"""D2LPM (SPEC §3): exact deficit arithmetic, its limit cases, and its fairness bounds.
+"""D2LPM (SPEC §3): exact deficit arithmetic, its limit cases, and its fairness bounds — of
+the paper's deficit rule (``deficits="rounds"``; the default is the sliding rule, tested with
+the other options in ``test_d2lpm_options.py``).
 
 The fairness runs drive the real ``Router`` with a small virtual-time cluster: each worker
 serves one request at a time, for as long as the request costs (``w_e * extend +
@@ -31,6 +33,8 @@ U = W_E * PROMPT_MAX + W_O * OUT_LEN  # the most one request can cost
 
 
 def d2lpm(num_workers: int = 2, **options) -> tuple[Router, D2LPM]:
+    """A router with the paper's deficit rule (rounds) unless ``deficits`` says otherwise."""
+    options.setdefault("deficits", "rounds")
     policy = make_router_policy("d2lpm", **options)
     return Router(policy, num_workers), policy
 
@@ -147,9 +151,10 @@ def co_drive(routers: list[Router], reqs: list[Request], seed: int) -> bool:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_infinite_quantum_routes_exactly_like_locality_first(seed):
+    """The paper's rule (no load guard: ``max_queue_ratio = inf``) at Q = inf."""
     reqs = random_workload(seed, 300)
     routers = [
-        Router(make_router_policy("d2lpm", quantum=math.inf), 4),
+        Router(make_router_policy("d2lpm", quantum=math.inf, max_queue_ratio=math.inf), 4),
         Router(LocalityFirst(), 4),
     ]
     assert co_drive(routers, reqs, seed)
@@ -162,7 +167,7 @@ def test_a_finite_quantum_does_not_route_like_locality_first():
 
 
 def test_locality_first_keeps_a_family_on_its_first_worker():
-    r, _ = d2lpm(num_workers=3, quantum=math.inf)
+    r, _ = d2lpm(num_workers=3, quantum=math.inf, max_queue_ratio=math.inf)  # the paper's
     r.dispatch(make_req((9,), "other"), 0.0)  # worker 0 busier: the family starts on 1
     family = tuple(range(50, 80))
     workers = [r.dispatch(make_req(family + (i,), "a"), 0.0).worker for i in range(12)]
@@ -238,6 +243,7 @@ def simulate(
     """Run the cluster; returns served[A] - served[B] after every completion.
     ``max_queue_ratio = inf``: the paper's rule, no load guard (pure locality at Q = inf);
     ``router_opts``: more D2LPM options (``overdraft``, ``load``)."""
+    router_opts.setdefault("deficits", "rounds")  # the paper's rule, unless asked
     policy = make_router_policy(
         "d2lpm", quantum=quantum, extend_weight=W_E, output_weight=W_O,
         max_queue_ratio=max_queue_ratio, **router_opts,
