@@ -15,7 +15,6 @@ Skipped without torch or triton, unless ``SGLFAIR_REQUIRE_SGLANG=1`` (CI), where
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,13 +23,9 @@ import traceback
 from pathlib import Path
 
 import pytest
+from requires import require
 
-_MISSING = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is None]
-if _MISSING:
-    msg = f"{', '.join(_MISSING)} not installed (pip install -e '.[kernels]')"
-    if os.environ.get("SGLFAIR_REQUIRE_SGLANG") == "1":
-        pytest.fail(f"SGLFAIR_REQUIRE_SGLANG=1 but {msg}", pytrace=False)
-    pytest.skip(msg, allow_module_level=True)
+require("torch", "triton")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -237,7 +232,9 @@ def test_reference_same_tokens_bidirectional_or_forward():
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict:
     """Every case's error, from one interpreter subprocess (this file run as a script)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = str(Path(__file__).resolve().parents[1])  # for ``requires`` in the script
+    path = os.pathsep.join(x for x in (tests, os.environ.get("PYTHONPATH")) if x)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     out = subprocess.run(
         [sys.executable, __file__],
         capture_output=True,

@@ -8,19 +8,13 @@ Skipped without torch (unless ``SGLFAIR_REQUIRE_SGLANG=1``, where that fails).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import httpx
 import openai
 import pytest
 from live_helpers import launched
+from requires import require
 
-if importlib.util.find_spec("torch") is None:
-    msg = "torch not installed (pip install -e '.[kernels]')"
-    if os.environ.get("SGLFAIR_REQUIRE_SGLANG") == "1":
-        pytest.fail(f"SGLFAIR_REQUIRE_SGLANG=1 but {msg}", pytrace=False)
-    pytest.skip(msg, allow_module_level=True)
+require("torch")
 
 pytestmark = pytest.mark.slow
 

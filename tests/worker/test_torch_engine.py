@@ -26,12 +26,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from requires import require
 
-if importlib.util.find_spec("torch") is None:
-    msg = "torch not installed (pip install -e '.[kernels]')"
-    if os.environ.get("SGLFAIR_REQUIRE_SGLANG") == "1":
-        pytest.fail(f"SGLFAIR_REQUIRE_SGLANG=1 but {msg}", pytrace=False)
-    pytest.skip(msg, allow_module_level=True)
+require("torch")
 
 import torch  # noqa: E402
 
@@ -369,7 +366,9 @@ def triton_case() -> dict:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_triton_attention_matches_reference_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests = str(Path(__file__).resolve().parents[1])  # for ``requires`` in the script
+    path = os.pathsep.join(x for x in (tests, os.environ.get("PYTHONPATH")) if x)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     out = subprocess.run(
         [sys.executable, str(Path(__file__))], env=env, capture_output=True, text=True,
         timeout=300,
