@@ -68,7 +68,7 @@ Options (``make_router_policy("d2lpm", ...)``): ``quantum`` (300,000.0, service 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sgl_fair.messages import Finished
@@ -78,7 +78,6 @@ from sgl_fair.router.policies.base import (
     BaseRouterPolicy,
     RouterView,
     check_positive,
-    least_queued,
     register_router_policy,
 )
 from sgl_fair.router.policies.outstanding import OutstandingWork
@@ -168,30 +167,28 @@ class D2LPM(BaseRouterPolicy):
             eligible = self._eligible(workers, client)
         if match.length:
             holders = match.holders
-            local = [u for u in eligible if u in holders and not self._overloaded(u, view)]
+            load = self._load_of(view)
+            limit = self._locality_limit(load, workers)
+            local = [u for u in eligible if u in holders and load(u) <= limit]
             if local:
-                return self._least_loaded(local, view)
-        return self._least_loaded(eligible, view)
+                return min(local, key=load)  # ties: the first, i.e. the lowest id
+        return min(eligible, key=self._load_of(view))
 
-    def _least_loaded(self, workers: Sequence[int], view: RouterView) -> int:
-        if self._work is None:
-            return least_queued(workers, view)
-        return min(workers, key=self._work.of)  # ties: the first, i.e. the lowest id
+    def _load_of(self, view: RouterView) -> Callable[[int], float]:
+        """A worker's load: queued requests, or outstanding tokens with ``load="tokens"``."""
+        return view.queue_len if self._work is None else self._work.of
 
-    def _overloaded(self, worker: int, view: RouterView) -> bool:
-        """Whether ``worker`` is too busy to be given a request for locality's sake: its
-        queue is over ``max_queue_ratio`` × the least-queued alive worker's plus
-        ``queue_slack`` (in requests, or in outstanding tokens with ``load="tokens"``)."""
+    def _locality_limit(self, load: Callable[[int], float], workers: Sequence[int]) -> float:
+        """The load past which a holder is too busy to be given a request for locality's
+        sake: ``max_queue_ratio`` × the least-loaded alive worker's load plus ``queue_slack``
+        (requests; with ``load="tokens"``, that many mean-priced requests)."""
         ratio = self.config.max_queue_ratio
         if ratio == math.inf:
-            return False
-        workers = view.workers
-        if self._work is None:
-            least = min(view.queue_len(u) for u in workers)
-            return view.queue_len(worker) > ratio * least + self.config.queue_slack
-        work = self._work
-        least = min(work.of(u) for u in workers)
-        return work.of(worker) > ratio * least + self.config.queue_slack * work.mean_price
+            return math.inf
+        slack = self.config.queue_slack
+        if self._work is not None:
+            slack *= self._work.mean_price
+        return ratio * min(load(u) for u in workers) + slack
 
     def _replenish(self, workers: Sequence[int], client: ClientId) -> None:
         # Every D[u][c] <= 0 and every Q_u finite here; the fewest rounds that make some
