@@ -27,6 +27,9 @@ FIELDS = (
     "queue_delay_p99_s",
     "ttft_p50_s",
     "throughput_tok_s",
+    "served_overloaded_tok_s",
+    "served_underloaded_tok_s",
+    "computed_overloaded_tok_s",
 )
 
 
@@ -54,19 +57,58 @@ def test_the_workload_has_the_issues_shape():
     assert min(sizes["tot"]) >= 4 and min(sizes["judge"]) >= 3
 
 
-def test_rows_carry_every_field_for_every_policy(result):
-    rows = {r["policy"]: r for r in result["rows"]}
-    assert list(rows) == ["rpm", "vtc", "fairserve-w", "fairserve"]
-    for row in rows.values():
-        assert set(FIELDS) <= set(row), set(FIELDS) - set(row)
+def scenario_rows(result, scenario):
+    return {r["policy"]: r for r in result["rows"] if r["scenario"] == scenario}
+
+
+def test_rows_carry_every_field_for_every_policy_and_scenario(result):
+    assert [r["scenario"] for r in result["rows"]] == [
+        s for s in fairserve.SCENARIOS for _ in range(4)
+    ]
+    for scenario in fairserve.SCENARIOS:
+        rows = scenario_rows(result, scenario)
+        assert list(rows) == ["rpm", "vtc", "fairserve-w", "fairserve"]
+        for row in rows.values():
+            assert set(FIELDS) <= set(row), set(FIELDS) - set(row)
     assert result["quick"] and result["duration_s"] == fairserve.QUICK_DURATION_S
     assert result["claims"] and all(
-        {"text", "passed", "detail"} <= set(c) for c in result["claims"]
+        {"scenario", "text", "passed", "detail"} <= set(c) for c in result["claims"]
     )
+    assert {c["scenario"] for c in result["claims"]} == set(fairserve.SCENARIOS)
 
 
-def test_what_holds_by_construction(result):
-    rows = {r["policy"]: r for r in result["rows"]}
+def test_each_scenario_has_the_load_it_claims(result):
+    """Offered vs served: both scenarios are overloaded for every policy in their first half;
+    in abuse-overload the benign users alone would fit. Seed 0, quick: deterministic."""
+    offered = result["offered"]
+    assert set(offered) == set(fairserve.SCENARIOS)
+    assert (
+        offered["abuse-overload"]["overloaded_benign_tok_s"]
+        < offered["benign-overload"]["overloaded_benign_tok_s"]
+    )
+    for o in offered.values():  # the underloaded phase is lighter than the overloaded one
+        assert o["underloaded_benign_tok_s"] < o["overloaded_benign_tok_s"]
+    assert len(result["premises"]) == 3
+    assert all(p["passed"] for p in result["premises"]), result["premises"]
+
+
+def test_offered_load_counts_expected_tokens_per_phase():
+    user = fairserve.User("u", fairserve.APPS[0], 1.0, abusive=True)
+    app = user.app
+    per_call = sum(app.input_len) / 2 + app.system_len + sum(app.output_len) / 2
+    inters = [
+        fairserve.Interaction("a", user, 1.0, [1], ()),
+        fairserve.Interaction("b", user, 15.0, [2, 1], ()),
+    ]
+    got = fairserve.offered_load(inters, 20.0)
+    assert got["overloaded_abusive_tok_s"] == round(per_call / 10, 1)
+    assert got["underloaded_abusive_tok_s"] == round(3 * per_call / 10, 1)
+    assert got["overloaded_benign_tok_s"] == got["underloaded_benign_tok_s"] == 0
+
+
+@pytest.mark.parametrize("scenario", list(fairserve.SCENARIOS))
+def test_what_holds_by_construction(result, scenario):
+    rows = scenario_rows(result, scenario)
     fs = rows["fairserve"]
     assert fs["tokens_wasted"] == 0  # OIT never throttles mid-interaction
     assert fs["throttled_while_underloaded"] == 0
@@ -77,6 +119,8 @@ def test_what_holds_by_construction(result):
     for row in rows.values():
         assert 0 <= row["users_served_pct"] <= 100 and 0 <= row["users_queued_pct"] <= 100
         assert row["throughput_tok_s"] > 0
+        served = row["served_overloaded_tok_s"] + row["served_underloaded_tok_s"]
+        assert served / 2 == pytest.approx(row["throughput_tok_s"], abs=0.1)
 
 
 def test_list_names_the_experiment(capsys):

@@ -1,0 +1,162 @@
+"""``fairserve-apps``'s measurements: one policy's row from its finished run, and the issue's
+targets and each scenario's premises checked on a scenario's rows (see ``fairserve.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sgl_fair.request import Phase, Request
+
+if TYPE_CHECKING:
+    from sgl_fair.experiment.fairserve import Interaction
+
+QUEUED_S = 1.0  # a call that waited longer than this before admission counts as queued
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)), 4) if xs else None
+
+
+def make_row(
+    label: str,
+    inters: list[Interaction],
+    rejections: list[tuple[float, Interaction]],
+    duration_s: float,
+    wall_s: float,
+) -> dict[str, Any]:
+    half = duration_s / 2
+    started = [i for i in inters if i.calls]
+    calls = [r for i in started for r in i.calls]
+    throttled = [i for i in started if i.throttled]
+    thr_users = {i.user.name: i.user for i in throttled}
+    abusive = {i.user.name for i in started if i.user.abusive}
+    abusive_over = {i.user.name for i in started if i.user.abusive and i.start_s < half}
+    thr_over = {i.user.name for t, i in rejections if t < half}
+
+    def tokens(r: Request) -> int:
+        return r.input_len + r.num_output if r.phase is Phase.FINISHED else 0
+
+    delays, queued_users, ttfts = [], set(), []
+    for r in calls:
+        if r.phase is Phase.REJECTED:
+            continue
+        end = r.admit_s if r.admit_s is not None else duration_s
+        delays.append(end - r.arrival_s)
+        if end - r.arrival_s > QUEUED_S:
+            queued_users.add(r.client)
+        if r.first_token_s is not None:
+            ttfts.append(r.first_token_s - r.arrival_s)
+    users = {i.user.name for i in started}
+    completed = {i.user.name for i in started if i.done}
+    served = completed - set(thr_users)
+    return {
+        "policy": label,
+        "tokens_wasted": sum(tokens(r) for i in throttled for r in i.calls),
+        "tokens_to_abusive": sum(tokens(r) for r in calls if r.client in abusive),
+        "interactions": len(started),
+        "interactions_throttled": len(throttled),
+        "benign_users_throttled": sum(1 for u in thr_users.values() if not u.abusive),
+        "abusive_users_throttled": sum(1 for u in thr_users.values() if u.abusive),
+        "abusive_users": len(abusive),
+        "abusive_throttled_in_overload": len(abusive_over & thr_over),
+        "abusive_users_in_overload": len(abusive_over),
+        "throttled_while_underloaded": sum(1 for t, _ in rejections if t >= half),
+        "users": len(users),
+        "users_served_pct": round(100 * len(served) / max(len(users), 1), 2),
+        "users_queued_pct": round(100 * len(queued_users) / max(len(users), 1), 2),
+        "queue_delay_p50_s": _pct(delays, 50),
+        "queue_delay_p99_s": _pct(delays, 99),
+        "ttft_p50_s": _pct(ttfts, 50),
+        "throughput_tok_s": round(sum(tokens(r) for r in calls) / duration_s, 1),
+        "served_overloaded_tok_s": round(
+            sum(tokens(r) for r in calls if r.finish_s is not None and r.finish_s < half) / half,
+            1,
+        ),
+        "served_underloaded_tok_s": round(
+            sum(tokens(r) for r in calls if r.finish_s is not None and r.finish_s >= half) / half,
+            1,
+        ),
+        "sim_wall_s": round(wall_s, 2),
+    }
+
+
+def targets(rows: Mapping[str, dict[str, Any]], scenario: str = "") -> list[dict[str, Any]]:
+    """The issue's targets, checked on one scenario's rows (reported, never tuned for)."""
+    fs, rpm, vtc = rows["fairserve"], rows["rpm"], rows["vtc"]
+    prefix = f"{scenario}: " if scenario else ""
+
+    def t(text: str, passed: bool, detail: str) -> dict[str, Any]:
+        return {
+            "scenario": scenario,
+            "text": prefix + text,
+            "passed": bool(passed),
+            "detail": detail,
+        }
+
+    ratio = rpm["interactions_throttled"] / max(fs["interactions_throttled"], 1)
+    return [
+        t("fairserve wastes 0 tokens", fs["tokens_wasted"] == 0, f"{fs['tokens_wasted']}"),
+        t(
+            "fairserve throttles >= 10x fewer interactions than rpm",
+            ratio >= 10,
+            f"rpm {rpm['interactions_throttled']} / fairserve {fs['interactions_throttled']}"
+            f" = {ratio:.2f}x",
+        ),
+        t(
+            "no benign user throttled",
+            fs["benign_users_throttled"] == 0,
+            f"{fs['benign_users_throttled']}",
+        ),
+        t(
+            "every abusive user throttled during overload",
+            fs["abusive_throttled_in_overload"] == fs["abusive_users_in_overload"],
+            f"{fs['abusive_throttled_in_overload']} of {fs['abusive_users_in_overload']}",
+        ),
+        t(
+            "none throttled in the underloaded phase",
+            fs["throttled_while_underloaded"] == 0,
+            f"{fs['throttled_while_underloaded']}",
+        ),
+        t(
+            "users seeing queueing delay <= 1/5 of vtc's",
+            fs["users_queued_pct"] <= vtc["users_queued_pct"] / 5,
+            f"fairserve {fs['users_queued_pct']}% vs vtc {vtc['users_queued_pct']}%",
+        ),
+        t(
+            "throughput >= vtc's",
+            fs["throughput_tok_s"] >= vtc["throughput_tok_s"],
+            f"fairserve {fs['throughput_tok_s']} vs vtc {vtc['throughput_tok_s']} tok/s",
+        ),
+    ]
+
+
+def premises(
+    scenario: str, offered: Mapping[str, float], rows: Mapping[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """What each scenario claims about its load, checked against what was served (by
+    finished calls) in the overloaded phase: both scenarios are overloaded for every policy;
+    in ``abuse-overload`` the benign load alone is below what every policy served."""
+    benign = offered["overloaded_benign_tok_s"]
+    total = benign + offered["overloaded_abusive_tok_s"]
+    served = {p: r["served_overloaded_tok_s"] for p, r in rows.items()}
+    out = [
+        {
+            "scenario": scenario,
+            "text": f"{scenario}: offered load exceeds what every policy served (overloaded)",
+            "passed": total > max(served.values()),
+            "detail": f"offered {total:.0f} tok/s vs served {served}",
+        }
+    ]
+    if scenario == "abuse-overload":
+        out.append(
+            {
+                "scenario": scenario,
+                "text": f"{scenario}: benign load alone is below what every policy served",
+                "passed": benign < min(served.values()),
+                "detail": f"benign {benign:.0f} tok/s vs served {served}",
+            }
+        )
+    return out
