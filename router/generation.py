@@ -286,6 +286,9 @@ class Generation:
             output_logprobs=out_lp,
             output_top_logprobs=top,
             input_top_logprobs=in_top,
+            extra_meta=(
+                {"queue_time": fin.queue_s} if fin is not None and fin.queue_s is not None else None
+            ),
         )
 
     @property

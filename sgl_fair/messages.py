@@ -72,6 +72,9 @@ class Finished(msgspec.Struct, frozen=True, gc=False):
     retry_after_s: float | None = None
     # ... and by which windowed limit: (limit, max requests, window s), e.g. ("user", 10, 60.0)
     limit: tuple[str, int, float] | None = None
+    # Seconds the request spent in the worker's waiting queue (SGLang's meta_info.queue_time;
+    # summed over re-queues); None when it was never admitted or the engine does not say.
+    queue_s: float | None = None
 
     @property
     def input_len(self) -> int:

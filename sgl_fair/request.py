@@ -93,6 +93,10 @@ class Request:
     # Prefix matched at the first admission; what cache-hit metrics count.
     first_prefix_len: int | None = None
     admit_s: float | None = None
+    # Seconds spent in the waiting queue, summed over every wait (a retracted request queues
+    # again): SGLang's ``meta_info.queue_time``. ``queued_s``: when the current wait began.
+    queue_s: float = 0.0
+    queued_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
     num_retractions: int = 0

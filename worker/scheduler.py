@@ -206,6 +206,7 @@ class Scheduler:
             self.log.done.append(req)
             return rejection
         req.phase = Phase.WAITING
+        req.queued_s = now
         self._enqueue(req)
         self._admission_blocked = False
         return None
@@ -418,6 +419,9 @@ class Scheduler:
     def _on_admit(self, req: Request, handle: PrefixHandle, extend: int) -> None:
         first = req.num_retractions == 0
         req.phase = Phase.RUNNING
+        if req.queued_s is not None:
+            req.queue_s += max(self._now - req.queued_s, 0.0)
+            req.queued_s = None
         req.prefix_len = handle.prefix_len
         req.num_computed = handle.prefix_len
         self._handles[req] = handle
@@ -483,6 +487,7 @@ class Scheduler:
         req.num_computed = 0
         req.num_retractions += 1
         self.stats.num_retractions += 1
+        req.queued_s = self._now
         self._enqueue(req)
         self._admission_blocked = False
         self.policy.on_retracted(req)

@@ -202,4 +202,5 @@ class WorkerCore:
             lp.output_top if lp is not None else None,
             req.reject_retry_after_s,
             req.reject_limit,
+            req.queue_s if req.admit_s is not None else None,
         )

@@ -13,6 +13,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from sgl_fair import metrics
 from sgl_fair.records import EventKind
 
@@ -98,6 +100,26 @@ def throttle_summary(calls: Sequence[CallRecord], programs: Sequence[Program]) -
     }
 
 
+QUEUED_S = 1.0  # a call that waited longer than this in the server's queue counts as queued
+
+
+def queue_summary(calls: Sequence[CallRecord]) -> dict[str, Any]:
+    """Waiting-queue delay as the server reported it (``meta_info.queue_time``) for the calls
+    it served: P50/P99 over those calls, and the % of users (clients) with a call that waited
+    more than ``QUEUED_S``. All None when the server reported no queue time."""
+    timed = [c for c in calls if c.queue_s is not None]
+    if not timed:
+        return {"queue_delay_p50_s": None, "queue_delay_p99_s": None, "users_queued_pct": None}
+    delays = np.array([c.queue_s for c in timed])
+    users = {c.client for c in timed}
+    queued = {c.client for c in timed if c.queue_s > QUEUED_S}
+    return {
+        "queue_delay_p50_s": float(np.percentile(delays, 50)),
+        "queue_delay_p99_s": float(np.percentile(delays, 99)),
+        "users_queued_pct": 100.0 * len(queued) / len(users),
+    }
+
+
 def harness_row(
     result: HarnessResult,
     clients: Sequence[ProgramClient],
@@ -152,6 +174,7 @@ def harness_row(
         "num_calls": len(records),
         "failed_calls": result.count("failed"),
         **throttle_summary(result.calls, result.programs),
+        **queue_summary(result.calls),
         "unfinished_calls": result.count("unfinished"),
         "unsent_calls": result.count("unsent"),
         "makespan_s": t_end,

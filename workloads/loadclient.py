@@ -11,7 +11,9 @@ know.
 What the client observes becomes the simulator's records: a PREFILL ``ServiceEvent`` at the
 first output token (``extend_len = prompt_tokens - cached_tokens``: the server says what it
 found cached) and a DECODE event per streamed chunk for the tokens it added. Admission is not
-observable from outside, so ``admit_s`` is the first-token time.
+observable from outside, so ``admit_s`` is the first-token time; the time the call waited in
+the server's queue is what the server says in ``meta_info.queue_time`` (sgl-fair and SGLang
+both send it), kept as ``queue_s`` (None from a server that does not).
 
 A non-2xx status, an ``abort`` finish, a server error chunk or a stream that ends unfinished
 raises ``CallFailed``; the run loop (``harness``) turns that, transport errors and timeouts
@@ -86,6 +88,7 @@ class CallRecord:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
+    queue_s: float | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     status: int | None = None
@@ -162,6 +165,7 @@ class _Meta(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    queue_time: float | None = None
     finish_reason: Any = None
 
 
@@ -217,6 +221,8 @@ def apply_chunk(rec: CallRecord, chunk: StreamChunk | Mapping[str, Any], t: floa
         rec.prompt_tokens = meta.prompt_tokens
     if meta.cached_tokens is not None:
         rec.cached_tokens = meta.cached_tokens
+    if meta.queue_time is not None and meta.queue_time >= 0:
+        rec.queue_s = meta.queue_time
     n = len(rec.output_ids)
     if n > (rec.chunk_tokens[-1] if rec.chunk_tokens else 0):
         rec.chunk_s.append(t)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sgl_fair.workloads.harness_report import QUEUED_S
+
 from .config import FRONTEND, NATIVE
 
 
@@ -131,6 +133,12 @@ def totals_lines(results: Mapping[str, Any]) -> list[str]:
             f"throttled: {row['interactions_throttled']} interactions of "
             f"{row['users_throttled']} users, {row['tokens_wasted']} tokens wasted on them; "
             f"users served {_f(row['users_served_pct'], '{:.1f}')} %"
+        )
+    if row.get("queue_delay_p50_s") is not None:  # the server reported meta_info.queue_time
+        lines.append(
+            f"waiting-queue delay P50 / P99: {_f(row['queue_delay_p50_s'], '{:.3f}')} / "
+            f"{_f(row['queue_delay_p99_s'], '{:.3f}')} s; users with a call queued over "
+            f"{QUEUED_S:g} s: {_f(row['users_queued_pct'], '{:.1f}')} %"
         )
     return lines
 

@@ -67,6 +67,7 @@ def test_generate_plain_and_streaming(server):
     assert len(chunks[-1]["output_ids"]) == 12
     # The second identical prompt hits the prefix cache of whichever worker served it.
     assert chunks[-1]["meta_info"]["cached_tokens"] > 0
+    assert chunks[-1]["meta_info"]["queue_time"] >= 0  # SGLang's field: seconds waiting
 
 
 def test_same_rid_gives_same_text_and_stop_strings_cut_it(server):

@@ -110,6 +110,17 @@ def test_stream_state_cumulative_and_incremental():
     assert inc.output_ids == [1, 2, 3] and inc.outcome(None).reason is FinishReason.STOP
 
 
+def test_stream_state_keeps_sglangs_queue_time():
+    s = StreamState()
+    assert s.queue_s is None  # an SGLang that sends none: the Finished says None
+    s.feed(_chunk([1], queue_time=0.25))
+    s.feed(_chunk([1, 2], {"type": "length", "length": 2}, queue_time=1.5))
+    assert s.queue_s == 1.5
+    for bad in (None, "2", True, -1.0):  # ignored, the last good value stays
+        s.feed(_chunk([1, 2], queue_time=bad))
+        assert s.queue_s == 1.5
+
+
 def test_stream_state_logprobs_become_finished_fields():
     inp = [[None, 5, None], [-0.5, 6, "x"]]
     outs = [[-0.1, 1, None], [-0.2, 2, None]]

@@ -108,6 +108,7 @@ class FakeSGLang:
         abort: str | None = None,
         stall: str | None = None,
         throttle: str | None = None,
+        queued: str | None = None,
     ) -> None:
         self.dp_size = dp_size
         self.tokens_per_chunk = tokens_per_chunk
@@ -118,6 +119,9 @@ class FakeSGLang:
         self.abort = re.compile(abort) if abort else None
         self.stall = re.compile(stall) if stall else None
         self.throttle = re.compile(throttle) if throttle else None
+        # With `queued`, meta_info.queue_time says 2.5 s for matching rids and 0.01 s for the
+        # others (as sgl-fair and SGLang report it); without it, no queue_time at all.
+        self.queued = re.compile(queued) if queued else None
         self.log: list[dict] = []
         self.cache: list[tuple[int, ...]] = []  # served prompt + output sequences
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -244,6 +248,8 @@ class FakeSGLang:
                 "cached_tokens": cached,
                 "finish_reason": finish,
             }
+            if self.queued is not None:
+                meta["queue_time"] = 2.5 if self.queued.search(rid) else 0.01
             if finish is not None:
                 entry["t_final"] = time.monotonic()  # before the client can see it
             line = "data: " + json.dumps(
@@ -456,6 +462,28 @@ def test_throttled_interactions_and_wasted_tokens_are_reported(fake):
     assert row["calls_throttled"] == row["interactions_throttled"] == 1
     assert row["users_throttled"] == 1
     assert row["users_served_pct"] == 100.0  # both clients finished other programs
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_queueing_delay_is_what_the_server_reported(fake, reported):
+    """Waiting-queue delay P50/P99 and % of users queued over 1 s come from the server's
+    meta_info.queue_time (the client cannot see admission); None when the server says none."""
+    server = fake(queued=r"-c1-judge-" if reported else None)
+    _, result = run_programs(server, "judge", None, clients=2, duration=1.0, rate=3.0, seed=1)
+    row = harness_row(
+        result, _specs("judge", 2), workload_name="judge", scenario=None, dp=1, seed=1
+    )
+    ok = [c for c in result.calls if c.state == "ok"]
+    assert ok and {c.client for c in ok} == {"c0", "c1"}
+    if not reported:
+        assert all(c.queue_s is None for c in result.calls)
+        assert row["queue_delay_p50_s"] is row["users_queued_pct"] is None
+        return
+    assert {c.queue_s for c in ok if c.client == "c1"} == {2.5}
+    assert {c.queue_s for c in ok if c.client == "c0"} == {0.01}
+    assert row["users_queued_pct"] == 50.0
+    assert row["queue_delay_p99_s"] == pytest.approx(2.5)
+    assert row["queue_delay_p50_s"] in (pytest.approx(0.01), pytest.approx(1.255), 2.5)
 
 
 def failed_pids(failed) -> set[str]:

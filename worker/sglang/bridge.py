@@ -336,6 +336,7 @@ class Bridge:
             prefix_len=0 if rejected else stream.cached_tokens,
             error=outcome.error,
             retry_after_s=outcome.retry_after_s,
+            queue_s=None if rejected else stream.queue_s,
             **({} if rejected else stream.finished_logprobs()),
         )
 

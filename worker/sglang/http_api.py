@@ -202,6 +202,7 @@ class StreamState:
         self.want_logprobs = want_logprobs
         self.output_ids: list[int] = []
         self.cached_tokens = 0
+        self.queue_s: float | None = None  # SGLang's meta_info.queue_time, when it sends one
         self.finish: dict[str, Any] | None = None
         self.error: tuple[Any, str] | None = None  # (status code, message) of an error event
         self.logprobs: dict[str, list[Any]] = {}
@@ -222,6 +223,9 @@ class StreamState:
         cached = meta.get("cached_tokens")
         if isinstance(cached, int):
             self.cached_tokens = cached
+        queued = meta.get("queue_time")
+        if isinstance(queued, (int, float)) and not isinstance(queued, bool) and queued >= 0:
+            self.queue_s = float(queued)
         if meta.get("finish_reason") is not None:
             self.finish = meta["finish_reason"]
         if self.want_logprobs:
