@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_cluster_quality  # noqa: E402
+import bench_fairserve  # noqa: E402
 import bench_flood  # noqa: E402
 import bench_live  # noqa: E402
 import bench_live_cell  # noqa: E402
@@ -40,6 +41,7 @@ def main() -> None:
         "machine": machine(),
         "sim_speed": bench_sim_speed.main(),
         "policy_step": bench_policy_step.main(),
+        "fairserve": bench_fairserve.main([]),
         "router": bench_router.main(),
         "cluster_quality": bench_cluster_quality.main([]),
         "live": bench_live.main(),

@@ -46,7 +46,6 @@ interaction of its own (it starts one).
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ from sgl_fair.policies.base import (
     register,
 )
 from sgl_fair.policies.fairserve_oit import Limits, LoadProbe, Windows
+from sgl_fair.policies.fairserve_queue import WaitingIndex, reference_walk
 from sgl_fair.request import ClientId, Request
 
 CHARGE_MODES = ("admission", "finish")
@@ -124,11 +124,16 @@ class FairServe(BasePolicy):
         self._interactions: dict[str, float] = {}  # interaction id -> last activity (s)
         self._started: set[str] = set()  # interactions with an admitted call
         self._num_waiting = 0
-        # (counter, user) of active users, for the lift's O(log n) active minimum.
-        self._min_heap: list[tuple[float, ClientId]] = []
+        # The waiting queue by user and interaction, with lazy heaps by counter: a pass
+        # costs O(admitted · log users), and the lift's active minimum O(log users).
+        self._index = WaitingIndex(self.counter)
         self._load: LoadProbe | None = None
         self._now = 0.0
         self.num_throttled = 0
+        # False: every pass rebuilds its groups from `waiting` (the reference path, for
+        # tests and the bench). Passes that took it although True: `num_fallbacks`.
+        self.incremental = True
+        self.num_fallbacks = 0
 
     def attach_load(self, probe: LoadProbe | None) -> None:
         """Give OIT the worker's KV usage in [0, 1] (see the module docstring)."""
@@ -206,12 +211,14 @@ class FairServe(BasePolicy):
                     )
         if req.interaction_id is not None:
             self._interactions[req.interaction_id] = now
+            self._index.mark(req.interaction_id)
         rejoining = not self.active.is_active(req.client)
         floor = self._floor() if rejoining else 0.0
         self.active.enqueue(req.client)
         if rejoining:  # the counter lift: no credit carried over an idle spell
             self._set(req.client, max(self.counter(req.client), floor))
         self._num_waiting += 1
+        self._index.add(req)
         return None
 
     def overloaded(self) -> bool:
@@ -238,31 +245,29 @@ class FairServe(BasePolicy):
         if len(self.active) == 0:
             last = self.active.last_left
             return self.counter(last) if last is not None else 0.0
-        heap = self._min_heap  # lazy: entries whose user left or was charged since are stale
-        while heap and (
-            not self.active.is_active(heap[0][1]) or self.counter(heap[0][1]) != heap[0][0]
-        ):
-            heapq.heappop(heap)
-        return heap[0][0]
+        if len(self._index.queues) == len(self.active):  # the index mirrors `active`
+            floor = self._index.min_counter()
+            if floor is not None:
+                return floor
+        return min(self.counter(u) for u in self.active.clients())
 
     def _set(self, user: ClientId, value: float) -> None:
+        """The only writer of ``counters`` (the index's heaps follow every change)."""
         self.counters[user] = value
-        if self.active.is_active(user):
-            heapq.heappush(self._min_heap, (value, user))
-            if len(self._min_heap) > 4 * len(self.active) + 64:  # compact the stale entries
-                self._min_heap = [(self.counter(u), u) for u in self.active.clients()]
-                heapq.heapify(self._min_heap)
+        self._index.touch(user)
 
     # ---------------------------------------------------------------- accounting
 
     def on_admitted(self, req: Request, extend_len: int) -> None:
         super().on_admitted(req, extend_len)
         self._num_waiting -= 1
+        self._index.remove(req)
         if req.interaction_id is not None:
             self._started.add(req.interaction_id)
             self._interactions[req.interaction_id] = max(
                 self._interactions.get(req.interaction_id, self._now), self._now
             )
+            self._index.mark(req.interaction_id)
         if req.num_retractions == 0 and self.config.charge == "admission":
             # Priced once: the settlement at finish uses the same w, so learning between
             # admission and finish never re-prices a call.
@@ -274,11 +279,12 @@ class FairServe(BasePolicy):
     def on_retracted(self, req: Request) -> None:
         super().on_retracted(req)
         self._num_waiting += 1
-        self._set(req.client, self.counter(req.client))  # back in the queue: in the heap
+        self._index.add(req)  # back in the queue (and in the heaps)
 
     def on_aborted(self, req: Request, waiting: bool) -> None:
         if waiting:
             self._num_waiting -= 1
+            self._index.remove(req)
         super().on_aborted(req, waiting)
 
     def on_finished(self, req: Request) -> None:
@@ -291,6 +297,7 @@ class FairServe(BasePolicy):
             self._interactions[req.interaction_id] = max(
                 self._interactions[req.interaction_id], req.finish_s or self._now
             )
+            self._index.mark(req.interaction_id)
         self._learn(req)
         if len(self._interactions) > 4 * (self._num_waiting + 1024):
             self._forget_ended(req.finish_s or self._now)
@@ -299,41 +306,52 @@ class FairServe(BasePolicy):
         timeout = self.config.interaction_timeout_s
         self._interactions = {i: t for i, t in self._interactions.items() if now - t <= timeout}
         self._started &= self._interactions.keys()
+        self._index.mark_all()
 
     # ---------------------------------------------------------------- selection
 
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
         """Continuing calls of in-flight interactions first (least-served user first), then
         the earliest request of the least-served user; counters re-read after every admission.
+
+        From the incremental index (``fairserve_queue``) when ``waiting`` is the queue the
+        policy's hooks describe; otherwise (a host passing part of its queue) the per-pass
+        rebuild from ``waiting`` — the same order, at O(waiting).
         """
         self._now = view.now
+        index = self._index
+        if not self.incremental or not index.matches(waiting):
+            self.num_fallbacks += self.incremental
+            return self._reference_order(waiting, view)
+        mode = self.config.interaction_first
+        if mode == "running":
+            live = {r.interaction_id for r in view.running if r.interaction_id is not None}
+            mine: dict[ClientId, list[Request]] = {}
+            for iid in live:
+                for req in index.by_iid.get(iid, ()):
+                    mine.setdefault(req.client, []).append(req)
+            first = {u: deque(sorted(q, key=Request.arrival_key)) for u, q in mine.items()}
+            return index.walk(first)
+        if mode == "off":
+            return index.walk({})
+        index.refresh(view.now, self._continues_iid, self._deadline)
+        return index.walk(None)
+
+    def _reference_order(
+        self, waiting: Sequence[Request], view: SchedulerView
+    ) -> Iterator[Request]:
+        """The per-pass rebuild: groups and continuing calls from ``waiting``, O(waiting)."""
         groups = group_by_client(waiting)
         cont = self._continuing(groups, view)
         queues = {u: deque(reqs) for u, reqs in groups.items()}
-        taken: set[int] = set()
-        heaps = (
-            [(self.counter(u), q[0].arrival_key(), u) for u, q in cont.items()],
-            [(self.counter(u), q[0].arrival_key(), u) for u, q in queues.items()],
-        )
-        for heap in heaps:
-            heapq.heapify(heap)
-        for heap, qs in ((heaps[0], cont), (heaps[1], queues)):
-            while heap:
-                counter, key, u = heapq.heappop(heap)
-                q = qs[u]
-                while q and id(q[0]) in taken:
-                    q.popleft()
-                if not q:
-                    continue
-                fresh = (self.counter(u), q[0].arrival_key())
-                if fresh != (counter, key):  # stale entry: charged, or its head was taken
-                    heapq.heappush(heap, (*fresh, u))
-                    continue
-                req = q.popleft()
-                taken.add(id(req))
-                yield req  # resumed only if admitted (and charged)
-                if q:
-                    heapq.heappush(heap, (self.counter(u), q[0].arrival_key(), u))
+        return reference_walk([cont, queues], set(), self.counter)
+
+    def _continues_iid(self, iid: str, now: float) -> bool:
+        return iid in self._started and self.in_flight(iid, now)
+
+    def _deadline(self, iid: str) -> float:
+        """When ``iid`` ends unless it sees activity (its calls stop continuing after)."""
+        return self._interactions[iid] + self.config.interaction_timeout_s
 
     def _continuing(
         self, groups: Mapping[ClientId, list[Request]], view: SchedulerView
@@ -367,6 +385,15 @@ class FairServe(BasePolicy):
     def check_invariants(self) -> None:
         assert self._num_waiting >= 0, self._num_waiting
         assert sum(1 for c in self.active.clients() if self.active.is_active(c)) == len(self.active)
+        index = self._index
+        assert len(index) == self._num_waiting, (len(index), self._num_waiting)
+        assert index.queues.keys() == set(self.active.clients()), "index users != active"
+        now = index.refreshed_at
+        index.check(lambda iid: self._continues_iid(iid, now))
+
+    def check_waiting(self, waiting: Sequence[Request]) -> None:
+        """The index holds exactly ``waiting`` (the scheduler's queue); O(waiting)."""
+        assert sorted(map(id, waiting)) == sorted(self._index.tracked), "index != waiting"
 
 
 @register("fairserve-w")
