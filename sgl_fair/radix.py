@@ -161,7 +161,7 @@ class RadixTree:
                 break
             key = child.key
             end = pos + len(key)
-            if tokens[pos:end] != key:  # the match ends inside this edge
+            if end > n or tokens[end - 1] != key[-1] or tokens[pos:end] != key:  # inside the edge
                 pos += _common_len(key, tokens, pos)
                 break
             if touch:
@@ -188,7 +188,7 @@ class RadixTree:
                 break
             key = child.key
             end = pos + len(key)
-            if tokens[pos:end] != key:  # the match ends inside this edge
+            if end > n or tokens[end - 1] != key[-1] or tokens[pos:end] != key:  # inside the edge
                 length = pos + _common_len(key, tokens, pos)
                 for owner in child.owners:
                     owner_lens[owner] = length

@@ -70,12 +70,13 @@ class DLPM(BasePolicy):
         self.served[client] = self.service_received(client) + service / w
 
     def on_arrival(self, req: Request, now: float) -> Rejection | None:
-        others = [self.service_received(c) for c in self.active.clients() if c != req.client]
-        if self.active.enqueue(req.client):
-            d = self.deficit(req.client)
-            self.deficits[req.client] = 0.0 if self.config.reset_on_rejoin else min(d, 0.0)
+        c = req.client
+        if self.active.enqueue(c):  # (re)joins: enqueue changed no other client's state
+            d = self.deficit(c)
+            self.deficits[c] = 0.0 if self.config.reset_on_rejoin else min(d, 0.0)
+            others = [self.service_received(o) for o in self.active.clients() if o != c]
             if others:
-                self.served[req.client] = max(self.service_received(req.client), min(others))
+                self.served[c] = max(self.service_received(c), min(others))
         return None
 
     def on_admitted(self, req: Request, extend_len: int) -> None:

@@ -72,6 +72,19 @@ def test_insert_then_match_exact_partial_and_mid_edge():
     tree.check_invariants()
 
 
+def test_match_compares_the_whole_edge_even_when_its_last_token_agrees():
+    """``match`` skips the edge compare when the last tokens differ; equal last tokens must
+    still compare the whole edge."""
+    tree = RadixTree()
+    leaf = tree.insert((1, 2, 3, 4, 5)).node
+    for tokens, length in [((1, 2, 9, 4, 5), 2), ((1, 9, 3, 4, 5, 6), 1), ((1, 2, 3, 4, 9), 4)]:
+        assert tree.match(tokens) == (length, tree.root)
+        om = tree.match_owners(tokens)
+        assert (om.length, om.node, om.node_len) == (length, tree.root, 0)
+    assert tree.match((1, 2, 3, 4, 5, 9)) == (5, leaf)
+    assert tree.match_owners((1, 2, 3, 4, 5)).length == 5
+
+
 def test_insert_splits_an_edge():
     tree = RadixTree()
     lower = tree.insert((1, 2, 3, 4)).node

@@ -93,14 +93,20 @@ class Ledger:
         self.clock = clock
         self.mirrors: dict[str, Request] = {}  # rid -> mirror, while SGLang holds the request
         self.reqs: dict[str, Req] = {}  # rid -> SGLang's Req
+        # id(Req) -> mirror, for the same entries: a pass looks its queue up by identity, and
+        # never reads an attribute of a request it does not order (cold objects, deep queues).
+        self._by_id: dict[int, Request] = {}
         self.num_rejected = 0
 
     def __len__(self) -> int:
         return len(self.mirrors)
 
     def mirror(self, req: Req) -> Request | None:
-        m = self.mirrors.get(req.rid)
-        return m if m is not None and self.reqs.get(req.rid) is req else None
+        return self._by_id.get(id(req))  # this very Req's mirror (its id is ours while held)
+
+    def mirrors_of(self, reqs: Sequence[Req]) -> list[Request | None]:
+        """``mirror`` of each request, looked up by identity alone."""
+        return list(map(self._by_id.get, map(id, reqs)))
 
     def arrived(self, req: Req) -> Rejection | None:
         """A new request joins the waiting queue; the policy may refuse it."""
@@ -114,8 +120,12 @@ class Ledger:
             m.reject_reason = rejection.reason
             self.num_rejected += 1
             return rejection
+        old = self.reqs.get(req.rid)  # another Req under this rid: it is forgotten
+        if old is not None:
+            del self._by_id[id(old)]
         self.mirrors[req.rid] = m
         self.reqs[req.rid] = req
+        self._by_id[id(req)] = m
         return None
 
     def admitted(self, req: Req, extend_len: int) -> None:
@@ -186,21 +196,22 @@ class Ledger:
     def reconcile_waiting(self, waiting_queue: Sequence[Req]) -> None:
         """Requests that left the queue without being admitted (aborted, timed out, pushed out
         by the queue limit) leave the policy too; queued requests it never saw arrive now."""
-        queued = {id(r) for r in waiting_queue}
-        reqs = self.reqs
+        queued = set(map(id, waiting_queue))
+        by_id = self._by_id
         waiting = Phase.WAITING
-        for rid, m in list(self.mirrors.items()):
-            if m.phase is waiting and id(reqs[rid]) not in queued:
-                self.aborted(reqs[rid], reason="left the waiting queue")
-        get = reqs.get
+        gone = [m for i, m in by_id.items() if i not in queued and m.phase is waiting]
+        reqs = self.reqs
+        for m in gone:
+            self.aborted(reqs[m.rid], reason="left the waiting queue")
         for r in waiting_queue:
-            if get(r.rid) is not r:
+            if id(r) not in by_id:
                 self.arrived(r)  # a refusal here is ignored: SGLang already queued it
 
     def _pop(self, req: Req) -> Request | None:
-        if self.mirror(req) is None:
+        m = self._by_id.pop(id(req), None)
+        if m is None:
             return None
-        self.reqs.pop(req.rid)
+        del self.reqs[req.rid]
         return self.mirrors.pop(req.rid)
 
 
@@ -282,7 +293,7 @@ class FairSchedulePolicy(SchedulePolicy):
         ledger.reconcile_waiting(waiting_queue)
         if not waiting_queue:
             return
-        mirrors = sorted(map(ledger.mirror, waiting_queue), key=_arrival)
+        mirrors = sorted(ledger.mirrors_of(waiting_queue), key=_arrival)
         running = [
             m
             for r in (running_batch.reqs if running_batch is not None else ())
@@ -383,8 +394,14 @@ class FairSchedulePolicy(SchedulePolicy):
             close()
 
 
-def _index(queue: Sequence[Req], req: Req, start: int) -> int:
-    for i in range(start, len(queue)):
-        if queue[i] is req:
-            return i
-    return -1
+def _index(queue: list[Req], req: Req, start: int) -> int:
+    """Where ``req`` (this object) is in ``queue[start:]``, -1 if not: ``list.index`` scans in
+    C (``Req`` compares by identity); the check keeps it exact should ``Req`` ever define
+    ``__eq__``."""
+    try:
+        i = queue.index(req, start)
+    except ValueError:
+        return -1
+    if queue[i] is req:
+        return i
+    return next((j for j in range(i + 1, len(queue)) if queue[j] is req), -1)

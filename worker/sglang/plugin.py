@@ -107,9 +107,16 @@ def _around_add_request(original: Any, scheduler: Any, req: Any, *args: Any, **k
         reject(scheduler, req, rejection)
         return None
     out = original(scheduler, req, *args, **kwargs)
-    if not any(r is req for r in scheduler.waiting_queue):
+    if not _queued(scheduler.waiting_queue, req):
         fair.ledger.aborted(req, reason="not queued")  # SGLang refused it (queue limit …)
     return out
+
+
+def _queued(queue: Any, req: Any) -> bool:
+    """Whether ``req`` is in the waiting queue: O(1) where SGLang appended it (every arrival
+    it queues), a scan of the queue only otherwise (an O(queue) scan per arrival is
+    O(queue²) for a burst)."""
+    return (bool(queue) and queue[-1] is req) or any(r is req for r in queue)
 
 
 def reject(scheduler: Any, req: Any, rejection: Any) -> None:

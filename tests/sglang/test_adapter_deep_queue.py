@@ -1,0 +1,151 @@
+"""The plugin at deep queues: arrival and pass costs that must not grow with the queue.
+
+``bench/bench_sglang_adapter.py`` times them; these tests pin what the numbers rest on: an
+arrival never scans SGLang's waiting queue (an O(queue) scan per arrival is O(queue²) for a
+burst), the queue position lookup is exact, and the bench queues its requests through the
+arrival hook as a server does, so its first pass does no arrival work.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from sglang_rig import Rig, make_req
+
+from sgl_fair.worker.sglang import adapter, plugin
+from sgl_fair.worker.sglang.settings import PluginSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hooks():
+    """The plugin's hooks, applied once per process (as SGLang's load_plugins() does)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    target = plugin.TARGETS["add_one_req"]
+    if not any(h is plugin._after_add_one_req for _, h, _ in HookRegistry._hooks.get(target, [])):
+        mp = pytest.MonkeyPatch()
+        for k, v in PluginSettings("dlpm", {}).env().items():
+            mp.setenv(k, v)
+        plugin._settings = None
+        plugin.register()
+        HookRegistry.apply_hooks()
+        mp.undo()
+    yield
+
+
+class NoScan(list):
+    """A waiting queue that fails any full scan."""
+
+    def __iter__(self):
+        raise AssertionError("the waiting queue was scanned")
+
+
+def fair_scheduler(policy: str = "dlpm"):
+    rig = Rig(kv_tokens=1 << 16)
+    fair = plugin.install_policy(rig.scheduler, PluginSettings(policy, {}))
+    return rig, fair
+
+
+def test_an_arrival_queued_at_the_end_is_not_searched_for():
+    rig, fair = fair_scheduler()
+    s = rig.scheduler
+    s.waiting_queue = NoScan(make_req([i, i + 1], "c") for i in range(100))
+    req = make_req([7, 8, 9], "d")
+    plugin._around_add_request(lambda sch, r, *a, **k: list.append(sch.waiting_queue, r), s, req)
+    assert fair.ledger.mirror(req) is not None  # queued: not aborted, no scan
+
+
+def test_an_arrival_queued_elsewhere_or_not_at_all_is_found_by_a_scan():
+    rig, fair = fair_scheduler()
+    s = rig.scheduler
+    s.waiting_queue = [make_req([1, 2], "c")]
+    front = make_req([3, 4], "c")
+    plugin._around_add_request(lambda sch, r, *a, **k: sch.waiting_queue.insert(0, r), s, front)
+    assert fair.ledger.mirror(front) is not None
+    refused = make_req([5, 6], "c")  # SGLang's queue limit turned it away
+    plugin._around_add_request(lambda sch, r, *a, **k: None, s, refused)
+    assert fair.ledger.mirror(refused) is None
+    assert fair.ledger.num_rejected == 0 and len(fair.ledger) == 1
+
+
+class EqAll:
+    """A queue entry whose ``==`` says yes to anything: positions must go by identity."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+def test_queue_positions_go_by_identity():
+    queue = [EqAll() for _ in range(6)]
+    for i, r in enumerate(queue):
+        assert adapter._index(queue, r, 0) == i
+        assert adapter._index(queue, r, i) == i
+        assert adapter._index(queue, r, i + 1) == -1
+    assert adapter._index(queue, object(), 0) == -1
+
+
+def test_reconcile_finds_departures_and_unseen_arrivals():
+    rig, fair = fair_scheduler()
+    reqs = [make_req([i, i + 1, i + 2], f"c{i % 3}") for i in range(10)]
+    for r in reqs[:8]:
+        fair.ledger.arrived(r)
+    queue = reqs[2:]  # 0 and 1 left the queue; 8 and 9 were queued without the hook
+    fair.ledger.reconcile_waiting(queue)
+    assert [fair.ledger.mirror(r) is not None for r in reqs] == [False] * 2 + [True] * 8
+    assert len(fair.ledger) == 8
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_the_bench_does_arrivals_outside_the_pass_as_a_server_does(monkeypatch, hooked):
+    import bench_sglang_adapter as bench
+
+    in_pass = []
+    real_calc, real_arrived = adapter.FairSchedulePolicy.calc_priority, adapter.Ledger.arrived
+
+    def calc(self, *a, **k):
+        in_pass.append(0)
+        try:
+            return real_calc(self, *a, **k)
+        finally:
+            in_pass.pop()
+
+    arrivals = SimpleNamespace(outside=0, inside=0)
+
+    def arrived(self, req):
+        if in_pass:
+            arrivals.inside += 1
+        else:
+            arrivals.outside += 1
+        return real_arrived(self, req)
+
+    monkeypatch.setattr(adapter.FairSchedulePolicy, "calc_priority", calc)
+    monkeypatch.setattr(adapter.Ledger, "arrived", arrived)
+    n = 40
+    arrival_s, first_s, next_s, order = bench.two_passes("plugin", "dlpm", n, 4096, hooked)
+    assert (arrivals.outside, arrivals.inside) == ((n, 0) if hooked else (0, n))
+    assert arrival_s > 0 and first_s > 0 and next_s > 0 and order[0]
+    exact = bench.two_passes("plugin-exact", "dlpm", n, 4096, hooked)[3]
+    assert order == exact
+
+
+def test_a_new_req_under_a_held_rid_replaces_the_old_one_by_identity():
+    rig, fair = fair_scheduler("fcfs")
+    ledger = fair.ledger
+    old, new = make_req([1, 2], "c", rid="x"), make_req([1, 3], "c", rid="x")
+    ledger.arrived(old)
+    ledger.arrived(new)
+    assert ledger.mirror(old) is None and ledger.mirror(new) is not None and len(ledger) == 1
+    assert ledger.mirrors_of([old, new]) == [None, ledger.mirrors["x"]]
+    ledger.reconcile_waiting([new])
+    assert ledger.mirror(new) is not None
+    ledger.finished(old)  # not held: nothing happens
+    assert len(ledger) == 1
+    ledger.aborted(new)
+    assert len(ledger) == 0 and ledger.mirrors_of([old, new]) == [None, None]
