@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fairserve import View  # the scheduler view FairServe reads (tests/core)
 
 from sgl_fair.policies import make_policy
 from sgl_fair.policies.fairserve import FairServe
 from sgl_fair.request import Phase, Request
 
 _rid = itertools.count()
-
-
-@dataclass
-class View:
-    now: float = 0.0
-    running: list[Request] = field(default_factory=list)
-
-    def prefix_len(self, req: Request) -> int:
-        return 0
 
 
 def reference_order(policy: FairServe, waiting: list[Request], view: View, k: int) -> list[str]:

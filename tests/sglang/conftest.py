@@ -29,3 +29,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/sglang/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def plugin_hooks():
+    """The plugin's hooks, applied once per process (as SGLang's load_plugins() does), for
+    modules that drive SGLang's real scheduler through them (``pytestmark``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sgl_fair.worker.sglang import plugin
+    from sgl_fair.worker.sglang.settings import PluginSettings
+
+    target = plugin.TARGETS["add_one_req"]
+    if not any(h is plugin._after_add_one_req for _, h, _ in HookRegistry._hooks.get(target, [])):
+        mp = pytest.MonkeyPatch()
+        for k, v in PluginSettings("dlpm", {}).env().items():
+            mp.setenv(k, v)
+        plugin._settings = None
+        plugin.register()
+        HookRegistry.apply_hooks()
+        mp.undo()
+    yield

@@ -21,21 +21,7 @@ from sgl_fair.worker.sglang.settings import PluginSettings
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def hooks():
-    """The plugin's hooks, applied once per process (as SGLang's load_plugins() does)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    target = plugin.TARGETS["add_one_req"]
-    if not any(h is plugin._after_add_one_req for _, h, _ in HookRegistry._hooks.get(target, [])):
-        mp = pytest.MonkeyPatch()
-        for k, v in PluginSettings("dlpm", {}).env().items():
-            mp.setenv(k, v)
-        plugin._settings = None
-        plugin.register()
-        HookRegistry.apply_hooks()
-        mp.undo()
-    yield
+pytestmark = pytest.mark.usefixtures("plugin_hooks")  # conftest.py
 
 
 class NoScan(list):
