@@ -21,7 +21,7 @@ from sgl_fair.records import EventKind
 from .combos import label_of
 from .harness import HarnessResult
 from .loadclient import CallRecord
-from .program_metrics import ACTUAL, PERCEIVED, client_latencies, service_series
+from .program_metrics import ACTUAL, PERCEIVED, QUEUED_S, client_latencies, service_series
 from .program_metrics import well_behaved_latency_of as _wb_latency
 from .programs import Program, ProgramClient
 
@@ -98,9 +98,6 @@ def throttle_summary(calls: Sequence[CallRecord], programs: Sequence[Program]) -
         "users_throttled": len({c.client for c in throttled}),
         "users_served_pct": 100.0 * len(served) / len(users) if users else None,
     }
-
-
-QUEUED_S = 1.0  # a call that waited longer than this in the server's queue counts as queued
 
 
 def queue_summary(calls: Sequence[CallRecord]) -> dict[str, Any]:

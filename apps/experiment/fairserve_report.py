@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sgl_fair.request import Phase, Request
+from sgl_fair.workloads.program_metrics import QUEUED_S
 
 if TYPE_CHECKING:
     from sgl_fair.experiment.fairserve import Interaction
-
-QUEUED_S = 1.0  # a call that waited longer than this before admission counts as queued
 
 
 def _pct(xs: list[float], q: float) -> float | None:
