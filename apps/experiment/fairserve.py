@@ -38,8 +38,9 @@ Row fields (per policy):
   phase), ``throttled_while_underloaded`` (rejections in the underloaded phase);
 * ``users_served_pct``: users with >= 1 completed interaction and none throttled, over the
   users that started any; ``users_queued_pct``: users with a call that waited more than
-  ``QUEUED_S`` before admission (or was never admitted);
-* ``queue_delay_p50_s``/``_p99_s`` (arrival -> admission; never admitted: until the end),
+  ``QUEUED_S`` in the waiting queue;
+* ``queue_delay_p50_s``/``_p99_s``: a call's time in the waiting queue (``Request.queue_s``,
+  every wait summed, a retracted call's re-queue included; one still waiting: until the end),
   ``ttft_p50_s``, ``throughput_tok_s`` (input + output tokens of finished calls / duration);
   ``served_overloaded_tok_s`` / ``served_underloaded_tok_s``: the same tokens counted in the
   phase the call finished in, over that phase's length; ``computed_overloaded_tok_s`` /

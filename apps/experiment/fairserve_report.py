@@ -42,9 +42,12 @@ def make_row(
     for r in calls:
         if r.phase is Phase.REJECTED:
             continue
-        end = r.admit_s if r.admit_s is not None else duration_s
-        delays.append(end - r.arrival_s)
-        if end - r.arrival_s > QUEUED_S:
+        # The scheduler's own measure (what the server reports as meta_info.queue_time):
+        # every wait, re-queues after a retraction included; one still waiting counts to
+        # the end of the run.
+        delay = r.queue_s + (duration_s - r.queued_s if r.queued_s is not None else 0.0)
+        delays.append(delay)
+        if delay > QUEUED_S:
             queued_users.add(r.client)
         if r.first_token_s is not None:
             ttfts.append(r.first_token_s - r.arrival_s)

@@ -131,3 +131,22 @@ def test_list_names_the_experiment(capsys):
 def test_cluster_flags_are_refused(capsys):
     assert main(["run", "fairserve-apps", "--quick", "--dp", "2"]) == 2
     assert "--dp" in capsys.readouterr().err
+
+
+def test_queueing_delay_is_the_schedulers_queue_time():
+    """A call retracted and re-queued counts every wait (``Request.queue_s``, what the server
+    reports as meta_info.queue_time), not just arrival -> first admission; a call still
+    waiting counts until the end of the run."""
+    from sgl_fair.request import Phase, Request
+
+    user = fairserve.User("u", fairserve.APPS[0], 1.0, abusive=False)
+    inter = fairserve.Interaction("i", user, 0.0, [2], ())
+    requeued = Request("a", "u", (1, 2), 4, 0.0)
+    requeued.phase, requeued.admit_s, requeued.queue_s = Phase.RUNNING, 0.5, 1.5
+    waiting = Request("b", "u", (1, 2), 4, 9.5)
+    waiting.queued_s = 9.5
+    inter.calls = [requeued, waiting]
+    row = fairserve.make_row("vtc", [inter], [], 10.0, 0.0)
+    assert row["users_queued_pct"] == 100.0  # 1.5 s > 1 s, though admitted after 0.5 s
+    assert row["queue_delay_p99_s"] == pytest.approx(1.5 - 0.01 * (1.5 - 0.5), abs=1e-3)
+    assert row["queue_delay_p50_s"] == pytest.approx(1.0)  # median of 1.5 and 0.5
