@@ -164,6 +164,17 @@ class Scheduler:
             self._match_memo[req] = fresh
         return fresh.length
 
+    def kv_need(self, req: Request) -> int:
+        """KV tokens admitting waiting ``req`` takes in the admission test: its uncached
+        prompt plus its reserved output."""
+        cached = min(self.prefix_len(req), req.seq_len - 1)
+        return req.seq_len - cached + min(req.remaining_new_tokens, self.config.clip_max_new_tokens)
+
+    def kv_room(self, req: Request) -> float:
+        """Room the admission test gives ``req`` now (for its class: an RT request may
+        overwrite BE KV under bidirectional blocks), net of the running requests' reservation."""
+        return self.kv.available_tokens(req) - self._reserved_tokens(req)
+
     # ------------------------------------------------------------ arrivals
 
     @property
@@ -261,6 +272,7 @@ class Scheduler:
     def step(self, now: float) -> Batch | None:
         """The next batch to run, or None when there is nothing to do."""
         self._now = now
+        self.kv.unpin_all()  # what the last step prefilled may be overwritten again
         select = getattr(self.policy, "select_batch", None)
         if select is not None:
             return step_selected(self, select)
@@ -290,11 +302,15 @@ class Scheduler:
         self.new_token_ratio = self.config.init_new_token_ratio
         return None
 
-    def _reserved_tokens(self) -> float:
-        """KV the running requests may still need (SGLang's new-token-ratio estimate)."""
+    def _reserved_tokens(self, req: Request | None = None) -> float:
+        """KV the running requests may still need (SGLang's new-token-ratio estimate); with
+        ``req``, only what is reserved against it (not the classes whose KV it overwrites)."""
         clip = self.config.clip_max_new_tokens
+        over = self.kv.overwrites(req) if req is not None else ()
         reserved = self.new_token_ratio * sum(
-            min(r.remaining_new_tokens, clip) for r in self.running
+            min(r.remaining_new_tokens, clip)
+            for r in self.running
+            if not over or r.service_class.value not in over
         )
         if self.chunked is not None:
             c = self.chunked
@@ -345,6 +361,7 @@ class Scheduler:
         if not self.kv.can_allocate(req, alloc):
             return None
         self.kv.allocate(req, alloc)
+        self.kv.pin(req)
         if last:
             self.chunked = None
         return PrefillChunk(req, req.num_computed, n, last)
@@ -365,7 +382,7 @@ class Scheduler:
         """
         cfg = self.config
         clip = cfg.clip_max_new_tokens
-        reserved = self._reserved_tokens()
+        reserved_for: dict[frozenset, float] = {}  # by the classes a request may overwrite
         kv = self.kv
         chunks: list[PrefillChunk] = []
         admitted: set[int] = set()
@@ -381,7 +398,11 @@ class Scheduler:
                 tokens = req.all_ids()
                 reserve = min(req.remaining_new_tokens, clip)
                 cached = min(self.prefix_len(req), len(tokens) - 1)
-                if len(tokens) - cached + reserve > kv.available_tokens() - reserved - promised:
+                over = kv.overwrites(req)
+                if over not in reserved_for:
+                    reserved_for[over] = self._reserved_tokens(req)
+                reserved = reserved_for[over]
+                if len(tokens) - cached + reserve > kv.available_tokens(req) - reserved - promised:
                     self._admission_blocked = True
                     break  # SGLang stops at the first request that does not fit
                 handle = kv.acquire_prefix(tokens, limit=len(tokens) - 1)
@@ -389,12 +410,13 @@ class Scheduler:
                 n = min(extend, budget)
                 last = n == extend
                 alloc = n + 1 if last else n
-                room = kv.available_tokens() - reserved - promised  # after the lock
+                room = kv.available_tokens(req) - reserved - promised  # after the lock
                 if extend + reserve > room or not kv.can_allocate(req, alloc):
                     kv.tree.unlock(handle.node)
                     self._admission_blocked = True
                     break
                 kv.allocate(req, alloc)
+                kv.pin(req)  # a later admission this step must not overwrite its prefill
                 self._on_admit(req, handle, extend)
                 admitted.add(id(req))
                 chunks.append(PrefillChunk(req, handle.prefix_len, n, last))
@@ -504,7 +526,8 @@ class Scheduler:
             req = chunk.req
             req.num_computed += chunk.num_tokens
             if chunk.last:
-                self._handles[req] = self.kv.commit(req, req.all_ids(), self._handles[req])
+                if not self.kv.keeps_private(req):  # else its KV enters the tree at the end
+                    self._handles[req] = self.kv.commit(req, req.all_ids(), self._handles[req])
                 self._emit_token(req, next(tokens))
                 if not self._maybe_finish(req):
                     self.running.append(req)

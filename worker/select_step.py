@@ -104,12 +104,12 @@ def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int |
         if sched.checkpointed_slots(req) or req.phase is not Phase.RUNNING:
             continue
         # Blocks, not tokens, may be short: retract paused requests (BE first) for room.
-        while not sched.kv.can_allocate(req, 1):
+        while not (fits := sched.kv.can_allocate(req, 1)):
             paused = [r for r in sched.running if r not in decode]
             if not paused:
                 break
             sched._retract(sched._victim(paused))
-        if sched.kv.can_allocate(req, 1):
+        if fits:
             sched.kv.allocate(req, 1)
             ready.append(req)
     return ready, swap_in
@@ -167,10 +167,8 @@ def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
 
 def _make_room(sched: Scheduler, req: Request, decode: list[Request], promised: int) -> None:
     """Retract paused (unchosen) running requests until the policy's first pick fits."""
-    clip = sched.config.clip_max_new_tokens
-    need = req.seq_len - min(sched.prefix_len(req), req.seq_len - 1)
-    need += min(req.remaining_new_tokens, clip)
-    while need > sched.kv.available_tokens() - sched._reserved_tokens() - promised:
+    need = sched.kv_need(req)
+    while need > sched.kv_room(req) - promised:
         paused = [r for r in sched.running if r not in decode]
         if not paused:
             return

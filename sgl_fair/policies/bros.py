@@ -159,6 +159,7 @@ class BROS(BasePolicy):
         if cost is not self._cost:  # the scheduler passes the same callable every iteration
             self._cost, self._cost_swap = cost, _takes_swap_in(cost)
         batch = _Batch(cost, view, self._cost_swap)
+        mem = _Memory(view)
         rt, be = [], []
         for r in candidates:
             (rt if r.service_class is ServiceClass.RT else be).append(r)
@@ -172,9 +173,12 @@ class BROS(BasePolicy):
         for _, _, r in urgent:
             if len(batch) >= limit:
                 break
+            if not mem.fits(r):  # l.5: only while blocks are available (a waiting one waits)
+                continue
             doomed = rem[id(r)] < floor_s
             if not batch or doomed:
                 batch.add(r)
+                mem.take(r)
                 if not doomed:
                     residual = min(residual, rem[id(r)])
                 continue
@@ -183,16 +187,19 @@ class BROS(BasePolicy):
                 early = True  # l.11–12: return the batch as it is
                 break
             batch.add(r)
+            mem.take(r)
             residual = cap
         if not early:
-            self._be_phase(batch, be, rem, residual, limit)
+            self._be_phase(batch, mem, be, rem, residual, limit)
         chosen = batch.requests()
         self._adapt(early, view)
         t_iter = batch.time()
         self.t_bar_s += self.config.ema * (t_iter - self.t_bar_s)
         return chosen
 
-    def _be_phase(self, batch: _Batch, be: list[Request], rem, residual: float, limit: int):
+    def _be_phase(
+        self, batch: _Batch, mem: _Memory, be: list[Request], rem, residual: float, limit: int
+    ):
         if not be:
             return
         view = batch.view
@@ -204,8 +211,9 @@ class BROS(BasePolicy):
         swappable = [r for r in batch.items if r.service_class is ServiceClass.RT]
         for b in be:
             if len(batch) < limit:
-                if batch.time_with(b) <= residual:
+                if mem.fits(b) and batch.time_with(b) <= residual:
                     batch.add(b)
+                    mem.take(b)
                 continue
             while swappable:
                 victim = swappable[-1]  # least urgent (sorted ascending by remaining)
@@ -213,9 +221,13 @@ class BROS(BasePolicy):
                     return  # no RT left with slack beyond the next iteration
                 if batch.time_with(b, without=victim) > residual:
                     break
+                if not mem.fits(b, without=victim):
+                    break
                 swappable.pop()
                 batch.remove(victim)
+                mem.give(victim)
                 batch.add(b)
+                mem.take(b)
                 break
             else:
                 return
@@ -252,6 +264,49 @@ def _takes_swap_in(cost: Callable[..., float]) -> bool:
     return "swap_in_tokens" in params or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
     )
+
+
+class _Memory:
+    """KV the batch under construction takes, against the scheduler's admission room
+    (SPEC §5 l.5: requests are added while blocks are available — free, or BE slots an RT may
+    overwrite). A waiting request takes its admission need (``view.kv_need``), a running one
+    the checkpointed slots it must swap back in; room is ``view.kv_room`` per class. A view
+    without them (no memory model) never says no. Checking here keeps the scheduler from
+    retracting running requests to make room for a pick that does not fit."""
+
+    def __init__(self, view: SchedulerView) -> None:
+        self._room_of = getattr(view, "kv_room", None)
+        self._need_of = getattr(view, "kv_need", None)
+        self._ckpt = getattr(view, "checkpointed_slots", None)
+        self._room: dict[ServiceClass, float] = {}
+        self._needs: dict[int, int] = {}
+        self.taken = 0
+
+    def _need(self, req: Request) -> int:
+        n = self._needs.get(id(req))
+        if n is None:
+            if req.phase is Phase.WAITING:
+                n = self._need_of(req) if self._need_of is not None else 0
+            else:
+                n = self._ckpt(req) if self._ckpt is not None else 0
+            self._needs[id(req)] = n
+        return n
+
+    def fits(self, req: Request, without: Request | None = None) -> bool:
+        need = self._need(req)
+        if not need or self._room_of is None:
+            return True
+        cls = req.service_class
+        if cls not in self._room:
+            self._room[cls] = self._room_of(req)
+        freed = 0 if without is None else self._need(without)
+        return self.taken - freed + need <= self._room[cls]
+
+    def take(self, req: Request) -> None:
+        self.taken += self._need(req)
+
+    def give(self, req: Request) -> None:
+        self.taken -= self._need(req)
 
 
 class _Batch:

@@ -113,6 +113,7 @@ class BidirectionalAllocator:
         self._free_host = list(range(self.num_host_blocks))  # a heap: lowest id first
         self._ckpt: dict[Hashable, int] = {}
         self._class: dict[Hashable, str] = {}
+        self.pinned: set[Hashable] = set()  # BE owners RT must not overwrite now (``pin``)
         self._copies: list[KVCopy] | None = None  # the copy journal; None: not recording
 
     def record_copies(self) -> None:
@@ -141,6 +142,50 @@ class BidirectionalAllocator:
 
     def num_free_tokens(self) -> int:
         return self.layout.num_empty
+
+    def num_free_tokens_for(self, request_class: str) -> int:
+        """Room for a new request of the class (a token gate; ``can_allocate`` is exact).
+
+        BE: every empty slot (``num_free_tokens``). RT: what a new RT run can reach — free
+        blocks, and blocks without a left run up to their pinned CACHE slots, their BE slots
+        counted while a host block is left to checkpoint them (or they already have one).
+        Room left inside another RT request's block is that request's, as in ``paged``."""
+        size = self.block_size
+        if self._checked_class(None, request_class) == BE:
+            return self.layout.num_empty
+        room, host_left = len(self.layout.free_blocks) * size, len(self._free_host)
+        for left, right in self.layout.sides:
+            if left or not right:
+                continue
+            pinned = max((p.end for p in right if self._pinned(p.owner)), default=0)
+            be = [p for p in right if p.end > pinned]
+            if any(p.ckpt is None for p in be):
+                if not host_left:
+                    room += size - max(p.end for p in right)
+                    continue
+                host_left -= 1
+            room += size - pinned
+        return room
+
+    def pin(self, owner: Hashable) -> None:
+        """Keep RT from overwriting ``owner``'s slots until ``unpin_all`` (a scheduler pins
+        the requests it prefills in a step: overwriting them would undo the step's work)."""
+        self.pinned.add(owner)
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
+
+    def _pinned(self, owner: Hashable) -> bool:
+        return owner is CACHE or owner in self.pinned
+
+    def overwrites(self, request_class: str) -> frozenset[str]:
+        """The classes whose KV ``request_class`` may overwrite (RT: BE's, checkpointed)."""
+        return frozenset({BE}) if self._checked_class(None, request_class) == RT else frozenset()
+
+    def overwritable(self, request_class: str) -> bool:
+        """Whether another class may overwrite this class's KV (BE: RT does). Such KV should
+        stay the request's own until it finishes: a CACHE piece is pinned."""
+        return self._checked_class(None, request_class) == BE
 
     def held(self, owner: Hashable) -> int:
         return self.layout.held.get(owner, 0)
@@ -350,15 +395,36 @@ class BidirectionalAllocator:
             return grants
         host_left = len(self._free_host)
         host_left += sum(isinstance(s, _Host) for o in skip for s in layout.segs.get(o, ()))
-        taken, todo = set(free_ids), []
+        taken = set(free_ids)
         if cur is not None:
             taken.add(cur.block)
             if not free_ids:  # still its last block: grow into the BE slots there first
-                todo.append((cur.block, size - layout.end(cur.block, RIGHT, skip)))
-        blocks = sorted((layout.end(b, RIGHT, skip), b) for b in range(self.num_blocks))
-        todo += [(b, 0) for _, b in blocks if b not in taken and not layout.end(b, LEFT, skip)]
-        for block, pos in todo:  # preempt: no left run, the most empty slots first
-            got, used = self._reach(block, pos, need, host_left, skip)
+                pos = size - layout.end(cur.block, RIGHT, skip)  # its run meets BE's
+                got, used = self._reach(cur.block, pos, need, host_left, skip)
+                if got:
+                    grants.append((cur.block, got))
+                    need -= got
+                    host_left -= used
+                if not need:
+                    return grants
+        # Preempt: blocks without a left run, the most empty slots first (a heap: usually the
+        # first one or two do).
+        if skip:
+            blocks = [
+                (layout.end(b, RIGHT, skip), b)
+                for b, (_, right) in enumerate(layout.sides)
+                if right and b not in taken and not layout.end(b, LEFT, skip)
+            ]
+        else:
+            blocks = [
+                (max(p.end for p in right), b)
+                for b, (left, right) in enumerate(layout.sides)
+                if right and not left and b not in taken
+            ]
+        heapq.heapify(blocks)
+        while blocks:
+            _, block = heapq.heappop(blocks)
+            got, used = self._reach(block, 0, need, host_left, skip)
             if got:
                 grants.append((block, got))
                 need -= got
@@ -377,7 +443,7 @@ class BidirectionalAllocator:
             if need - got <= gap:
                 return need, used
             got += gap
-            if piece.owner is CACHE or (piece.ckpt is None and used == host_left):
+            if self._pinned(piece.owner) or (piece.ckpt is None and used == host_left):
                 return got, used  # pinned, or nowhere to checkpoint it
             used += piece.ckpt is None
             if need - got <= piece.length:

@@ -137,9 +137,40 @@ class PrefixKVCache:
     def capacity_tokens(self) -> int:
         return self.allocator.capacity_tokens
 
-    def available_tokens(self) -> int:
-        """Free now, or freeable by evicting unlocked cached prefixes."""
+    def available_tokens(self, owner: Hashable = None) -> int:
+        """Free now, or freeable by evicting unlocked cached prefixes. With ``owner``, for its
+        class where the allocator places by class (bidirectional: RT may also overwrite BE)."""
+        kw = self._class_of(owner) if owner is not None else {}
+        if kw and (fn := getattr(self.allocator, "num_free_tokens_for", None)) is not None:
+            return fn(kw["request_class"]) + self.tree.evictable_tokens
         return self.allocator.num_free_tokens() + self.tree.evictable_tokens
+
+    def pin(self, owner: Hashable) -> None:
+        """Protect ``owner``'s KV from being overwritten by another class until ``unpin_all``
+        (no-op unless the allocator overwrites)."""
+        fn = getattr(self.allocator, "pin", None)
+        if fn is not None:
+            fn(owner)
+
+    def unpin_all(self) -> None:
+        fn = getattr(self.allocator, "unpin_all", None)
+        if fn is not None:
+            fn()
+
+    def keeps_private(self, owner: Hashable) -> bool:
+        """Whether ``owner``'s KV should enter the tree only when it finishes: another class
+        may overwrite it (bidirectional: BE), and the tree pins what it holds."""
+        kw = self._class_of(owner)
+        fn = getattr(self.allocator, "overwritable", None)
+        return bool(kw) and fn is not None and fn(kw["request_class"])
+
+    def overwrites(self, owner: Hashable) -> frozenset[str]:
+        """Request classes whose KV ``owner`` may overwrite (checkpointed to host): their
+        future tokens are no reservation against ``owner``. Empty unless the allocator
+        places by class."""
+        kw = self._class_of(owner)
+        fn = getattr(self.allocator, "overwrites", None)
+        return fn(kw["request_class"]) if kw and fn is not None else frozenset()
 
     def match_len(self, tokens: Sequence[int]) -> int:
         """Cached prefix length; no LRU touch, no locking (for ordering policies)."""
@@ -170,9 +201,10 @@ class PrefixKVCache:
     def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
         """Whether ``allocate`` will succeed: the allocator's own answer after a dry-run
         eviction of every evictable prefix (block allocators: tokens are not blocks)."""
-        if not 0 <= num_tokens <= self.available_tokens():
-            return False
         kw = self._class_of(owner)
+        # A cheap gate first. An RT request may also overwrite BE KV: the allocator decides.
+        if num_tokens < 0 or (num_tokens > self.available_tokens() and not self.overwrites(owner)):
+            return False
         alloc = self.allocator
         if alloc.can_allocate(owner, num_tokens, **kw):
             return True
@@ -196,7 +228,7 @@ class PrefixKVCache:
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
         if not self.can_allocate(owner, num_tokens):  # check before evicting anything
-            raise OutOfMemory(f"need {num_tokens} tokens, {self.available_tokens()} available")
+            raise OutOfMemory(f"need {num_tokens} tokens, {self.available_tokens(owner)} available")
         kw = self._class_of(owner)
         short = num_tokens - self.allocator.num_free_tokens()
         if short > 0:
