@@ -88,6 +88,9 @@ class BlockLayout:
                 f"KV capacity must hold >= 1 block of {block_size} tokens (got {capacity_tokens})"
             )
         self.free_blocks = set(range(self.num_blocks))
+        # The free ids again, as a min-heap with lazy deletion (stale ids are dropped when
+        # they surface): the lowest free ids in O(k log n), not a scan of every free block.
+        self._free_heap = list(range(self.num_blocks))
         self.sides: list[tuple[list[Piece], list[Piece]]] = [
             ([], []) for _ in range(self.num_blocks)
         ]
@@ -128,15 +131,32 @@ class BlockLayout:
         """The ``k`` lowest free block ids not in ``taken`` (fewer if there are not as many)."""
         if k <= 0:
             return []
-        pool = self.free_blocks
-        if skip:  # blocks only skipped owners use would be free too
-            pool = pool | {
-                p.block
-                for o in skip
-                for p in self.pieces(o)
-                if all(q.owner in skip for q in self.sides[p.block][0] + self.sides[p.block][1])
-            }
+        if not skip:
+            return self._lowest_free(k, taken)
+        pool = self.free_blocks | {  # blocks only skipped owners use would be free too
+            p.block
+            for o in skip
+            for p in self.pieces(o)
+            if all(q.owner in skip for q in self.sides[p.block][0] + self.sides[p.block][1])
+        }
         return heapq.nsmallest(k, pool - taken if taken else pool)
+
+    def _lowest_free(self, k: int, taken: set | frozenset) -> list[int]:
+        heap, free = self._free_heap, self.free_blocks
+        if len(heap) > 2 * self.num_blocks + 64:  # mostly stale: rebuild
+            heap[:] = sorted(free)
+        out: list[int] = []
+        aside: list[int] = []  # free but taken: they go back
+        last = -1
+        while heap and len(out) < k:
+            block = heapq.heappop(heap)
+            if block == last or block not in free:
+                continue  # a duplicate (freed twice since it surfaced) or stale
+            last = block
+            (aside if block in taken else out).append(block)
+        for block in out + aside:
+            heapq.heappush(heap, block)
+        return out
 
     def fresh(self, side: int, need: int, skip: frozenset = NO_ONE, taken: set = NO_ONE):
         """[(block, slots)] for a new run of ``need`` tokens on ``side``: blocks whose ``side`` is
@@ -193,6 +213,7 @@ class BlockLayout:
         sides[piece.side].remove(piece)
         if not sides[0] and not sides[1]:
             self.free_blocks.add(piece.block)
+            heapq.heappush(self._free_heap, piece.block)
 
     def blocks_freed_by(self, owner: Hashable, n: int, slots: list[int] | None = None) -> int:
         """Blocks that ``free(owner, n)`` (its last ``n`` tokens) would empty; no side effects.
@@ -313,6 +334,7 @@ class BlockLayout:
         assert all(n > 0 for n in self.held.values()) and set(self.held) <= set(self.segs)
         num_pieces = sum(len(self.pieces(o)) for o in self.segs)
         assert num_pieces == sum(len(lt) + len(rt) for lt, rt in self.sides), "a stray piece"
+        assert self.free_blocks <= set(self._free_heap), "a free block missing from the heap"
         for block, sides in enumerate(self.sides):
             assert (block in self.free_blocks) == (not sides[0] and not sides[1]), block
             for side in (0, 1):

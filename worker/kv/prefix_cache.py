@@ -227,10 +227,14 @@ class PrefixKVCache:
         return out
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
+        kw = self._class_of(owner)
+        alloc = self.allocator
+        short = num_tokens - alloc.num_free_tokens()
+        if short <= 0 and alloc.can_allocate(owner, num_tokens, **kw):  # nothing to evict
+            alloc.allocate(owner, num_tokens, **kw)
+            return
         if not self.can_allocate(owner, num_tokens):  # check before evicting anything
             raise OutOfMemory(f"need {num_tokens} tokens, {self.available_tokens(owner)} available")
-        kw = self._class_of(owner)
-        short = num_tokens - self.allocator.num_free_tokens()
         if short > 0:
             self._evict(short)
         while not self.allocator.can_allocate(owner, num_tokens, **kw):
