@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker.engine import Batch, PrefillChunk
+from sgl_fair.worker.kv.base import OutOfMemory
 
 if TYPE_CHECKING:
     from sgl_fair.worker.scheduler import Scheduler
@@ -104,14 +105,17 @@ def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int |
         if sched.checkpointed_slots(req) or req.phase is not Phase.RUNNING:
             continue
         # Blocks, not tokens, may be short: retract paused requests (BE first) for room.
-        while not (fits := sched.kv.can_allocate(req, 1)):
-            paused = [r for r in sched.running if r not in decode]
-            if not paused:
+        while True:
+            try:
+                sched.kv.allocate(req, 1)  # checks before it changes anything
+            except OutOfMemory:
+                paused = [r for r in sched.running if r not in decode]
+                if not paused:
+                    break
+                sched._retract(sched._victim(paused))
+            else:
+                ready.append(req)
                 break
-            sched._retract(sched._victim(paused))
-        if fits:
-            sched.kv.allocate(req, 1)
-            ready.append(req)
     return ready, swap_in
 
 

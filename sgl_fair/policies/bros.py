@@ -352,10 +352,14 @@ class _Batch:
         self._swap.pop(id(req), None)
 
     def time(self, extra: Request | None = None, without: Request | None = None) -> float:
-        gone = -1 if without is None else id(without)
-        chunks = [v for k, v in self._chunks.items() if k != gone]
-        decodes = [v for k, v in self._decodes.items() if k != gone]
-        swap = sum(v for k, v in self._swap.items() if k != gone)
+        if without is None:  # the common case: no filtering
+            chunks, decodes = list(self._chunks.values()), list(self._decodes.values())
+            swap = sum(self._swap.values()) if self._swap else 0
+        else:
+            gone = id(without)
+            chunks = [v for k, v in self._chunks.items() if k != gone]
+            decodes = [v for k, v in self._decodes.items() if k != gone]
+            swap = sum(v for k, v in self._swap.items() if k != gone)
         if extra is not None:
             chunk, ctx = self._work(extra)
             if chunk is not None:

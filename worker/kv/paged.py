@@ -382,16 +382,20 @@ class PagedAllocator:
         return 0 <= num_tokens <= self.room(owner) + num_free * self.block_size
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
-        if not self.can_allocate(owner, num_tokens):
+        layout = self.layout
+        piece = layout.growable(owner, 0)
+        room = 0 if piece is None else layout.room(piece)
+        if not 0 <= num_tokens <= room + self.num_free_tokens():
             raise OutOfMemory(
-                f"need {num_tokens} tokens, {owner!r} has {self.room(owner)} slots of room "
-                f"and {len(self.layout.free_blocks)} free blocks of {self.block_size}"
+                f"need {num_tokens} tokens, {owner!r} has {room} slots of room "
+                f"and {len(layout.free_blocks)} free blocks of {self.block_size}"
             )
-        in_room = min(num_tokens, self.room(owner))
+        in_room = min(num_tokens, room)
         if in_room:
-            self.layout.grow(owner, 0, self.layout.growable(owner, 0).block, in_room)
-        for block, k in self.layout.fresh(0, num_tokens - in_room):  # whole free blocks
-            self.layout.grow(owner, 0, block, k)
+            layout.extend(piece, in_room)
+        if num_tokens > in_room:
+            for block, k in layout.fresh(0, num_tokens - in_room):  # whole free blocks
+                layout.grow(owner, 0, block, k)
 
     def free(self, owner: Hashable, num_tokens: int | None = None) -> None:
         """Free ``owner``'s last ``num_tokens`` tokens (all when None); emptied blocks go back."""
