@@ -163,14 +163,28 @@ class BlockLayout:
         empty, most empty slots first (so free blocks first, lowest id first); None: no room."""
         size = self.block_size
         grants = [(b, size) for b in self.free_ids(-(-need // size), skip, taken)]
-        if need > size * len(grants):  # every free block is taken: partly used ones too
+        left = need - size * len(grants)
+        if left > 0:  # every free block is taken: partly used ones too, from a heap
             used = taken | {b for b, _ in grants}
-            others = sorted((self.end(b, 1 - side, skip), b) for b in range(self.num_blocks))
-            grants += [
-                (b, size - other)
-                for other, b in others
-                if other < size and b not in used and not self.end(b, side, skip)
-            ]
+            if skip:
+                others = [
+                    (self.end(b, 1 - side, skip), b)
+                    for b in range(self.num_blocks)
+                    if b not in used and not self.end(b, side, skip)
+                ]
+            else:
+                others = [
+                    (max(p.end for p in sides[1 - side]) if sides[1 - side] else 0, b)
+                    for b, sides in enumerate(self.sides)
+                    if not sides[side] and b not in used
+                ]
+            heapq.heapify(others)
+            while others and left > 0:
+                other, b = heapq.heappop(others)
+                if other >= size:
+                    break  # the rest are full too
+                grants.append((b, size - other))
+                left -= size - other
         out: list[tuple[int, int]] = []
         for block, room in grants:
             if need:
