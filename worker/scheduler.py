@@ -29,79 +29,29 @@ method take the path above, unchanged.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.radix import MatchMemo
-from sgl_fair.records import EventKind, RequestRecord, ServiceEvent
+from sgl_fair.records import EventKind, ServiceEvent
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker import share_guard
 from sgl_fair.worker.engine import Batch, PrefillChunk, StepResult
 from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
+from sgl_fair.worker.scheduler_state import (  # re-exported: their home for callers
+    RunLog,
+    SchedulerConfig,
+    SchedulerStats,
+    enqueue,
+    without,
+)
 from sgl_fair.worker.select_step import decode_restoring, restore_checkpointed, step_selected
+
+__all__ = ["IterationCost", "RunLog", "Scheduler", "SchedulerConfig", "SchedulerStats"]
 
 # Seconds for one iteration: prefill chunks ``(num_new_tokens, num_context_before)`` and one
 # decode token per context length (the signature of ``sim.CostModel.step_time``).
 IterationCost = Callable[..., float]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Flags named after SGLang's ServerArgs where SGLang has one."""
-
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay_steps: int = 600
-    clip_max_new_tokens: int = 4096
-    retract_decode_steps: int = 20
-    # While admission is blocked (the last walk stopped for lack of room), re-walk the queue
-    # every k decode steps even if nothing finished. 0 = SGLang's `batch_is_full`: wait for a
-    # finish, retraction or arrival. A fair policy's order shifts with every charged token,
-    # so k = 1 admits the least-served client's request the first step it fits, at the cost
-    # of an O(waiting) walk per step.
-    recheck_blocked_every: int = 0
-    # Share each client's hold on the running batch and KV while others wait (the share
-    # guard, ``worker/share_guard.py``): a starving client's request may retract running
-    # requests of the client holding the most. Off here (the papers' schedulers); the live
-    # server turns it on for fair policies.
-    share_guard: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_running_requests", "chunked_prefill_size", "clip_max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
-            raise ValueError("need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
-
-    @property
-    def new_token_ratio_decay(self) -> float:
-        span = self.init_new_token_ratio - self.min_new_token_ratio
-        return span / max(self.new_token_ratio_decay_steps, 1)
-
-
-@dataclass
-class RunLog:
-    """Where a scheduler reports: service events and every request that left."""
-
-    events: list[ServiceEvent] = field(default_factory=list)
-    done: list[Request] = field(default_factory=list)
-
-    def records(self) -> list[RequestRecord]:
-        return [RequestRecord.from_request(r) for r in self.done]
-
-
-@dataclass
-class SchedulerStats:
-    num_prefill_steps: int = 0
-    num_decode_steps: int = 0
-    num_retractions: int = 0
-    num_share_retractions: int = 0  # retractions by the share guard's admission rule
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
 
 
 class Scheduler:
@@ -223,10 +173,7 @@ class Scheduler:
         return None
 
     def _enqueue(self, req: Request) -> None:
-        if self.waiting and req.arrival_key() < self.waiting[-1].arrival_key():
-            bisect.insort(self.waiting, req, key=Request.arrival_key)
-        else:
-            self.waiting.append(req)
+        enqueue(self.waiting, req)
 
     def abort(self, req: Request, now: float, reason: str = "aborted") -> bool:
         """Cancel ``req`` wherever it is (waiting, running or mid-chunked-prefill).
@@ -432,7 +379,7 @@ class Scheduler:
             if close is not None:
                 close()
         if admitted:
-            self.waiting = [r for r in self.waiting if id(r) not in admitted]
+            self.waiting = without(self.waiting, [c.req for c in chunks])
             memo = self._match_memo
             for chunk in chunks:
                 memo.pop(chunk.req, None)
