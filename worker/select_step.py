@@ -170,7 +170,13 @@ def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
 
 
 def _make_room(sched: Scheduler, req: Request, decode: list[Request], promised: int) -> None:
-    """Retract paused (unchosen) running requests until the policy's first pick fits."""
+    """Retract paused (unchosen) running requests until the policy's first pick fits.
+
+    Not on an allocator that overwrites by class (bidirectional): there an RT request's room
+    already counts the BE KV it may overwrite (retracting BE adds none) and a BE request
+    must not cost other requests their progress; the policy checked ``kv_room`` already."""
+    if sched.kv.overwrites(req) or sched.kv.keeps_private(req):
+        return
     need = sched.kv_need(req)
     while need > sched.kv_room(req) - promised:
         paused = [r for r in sched.running if r not in decode]
