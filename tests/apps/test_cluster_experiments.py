@@ -152,11 +152,18 @@ def test_run_cluster_experiment_api_without_processes():
     assert res.to_json()["all_claims_passed"] is True  # no claims: one run
 
 
+def _clients(c0: float, c1: float) -> dict:
+    return {"c0": {"service_rate": c0}, "c1": {"service_rate": c1}}
+
+
 def _grid_cell(**d2lpm):
     """One fabricated tot-s2 dp=2 cell: D2LPM passes every grid claim unless overridden."""
-    base = {"workload": "tot", "scenario": "s2", "dp": 2, "offered_tok_s": 200.0}
+    base = {"workload": "tot", "scenario": "s2", "dp": 2, "offered_tok_s": 200.0,
+            "misbehaving": ["c0"]}  # fmt: skip
+    d2lpm.setdefault("clients", _clients(80.0, 30.0))
     rows = [
-        {**base, "policy": "VTC", "served_tok_s": 50.0, "jain": 0.95, "p99_well_behaved_s": 40.0},
+        {**base, "policy": "VTC", "served_tok_s": 50.0, "jain": 0.95, "p99_well_behaved_s": 40.0,
+         "clients": _clients(25.0, 25.0)},  # fmt: skip
         {**base, "policy": "RR+LPM", "served_tok_s": 90.0, "jain": 0.7, "p99_well_behaved_s": 60},
         {**base, "policy": "Preble", "served_tok_s": 100.0, "jain": 0.7, "p99_well_behaved_s": 30},
         {**base, "policy": "CacheAware+LPM", "served_tok_s": 95.0, "jain": 0.7,
@@ -177,9 +184,11 @@ def _grid_cell(**d2lpm):
         ({"jain": 0.91}, {4}),  # more than 0.03 below VTC
         ({"p99_well_behaved_s": 12.0}, {6}),  # better than Preble, not 3x
         ({"p99_well_behaved_s": 31.0}, {5, 6}),
+        ({"clients": _clients(90.0, 23.0)}, {7}),  # c1 (well-behaved) < 0.95x its VTC rate
+        ({"clients": _clients(20.0, 25.0)}, set()),  # the misbehaver's rate is not checked
     ],
 )
 def test_grid_claims_are_the_issues_targets_and_can_fail(change, failing):
     claims = EXPERIMENTS["d2lpm-grid"].claims(_grid_cell(**change))
-    assert len(claims) == 7
+    assert len(claims) == 8
     assert {i for i, c in enumerate(claims) if not c.passed} == failing, claims
