@@ -97,6 +97,8 @@ class BlockLayout:
         self.segs: dict[Hashable, list] = {}
         self.held: dict[Hashable, int] = {}
         self.num_empty = self.num_blocks * block_size
+        self.version = 0  # bumped by every change to a piece: what ``fresh`` caches against
+        self._fresh_cache: tuple[tuple[int, int], list[tuple[int, int]]] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -164,25 +166,28 @@ class BlockLayout:
         size = self.block_size
         grants = [(b, size) for b in self.free_ids(-(-need // size), skip, taken)]
         left = need - size * len(grants)
-        if left > 0:  # every free block is taken: partly used ones too, from a heap
+        if left > 0:  # every free block is taken: partly used ones too, emptiest first
             used = taken | {b for b, _ in grants}
             if skip:
-                others = [
+                others = sorted(
                     (self.end(b, 1 - side, skip), b)
                     for b in range(self.num_blocks)
                     if b not in used and not self.end(b, side, skip)
-                ]
-            else:
-                others = [
-                    (max(p.end for p in sides[1 - side]) if sides[1 - side] else 0, b)
-                    for b, sides in enumerate(self.sides)
-                    if not sides[side] and b not in used
-                ]
-            heapq.heapify(others)
-            while others and left > 0:
-                other, b = heapq.heappop(others)
-                if other >= size:
-                    break  # the rest are full too
+                )
+            else:  # the same layout asks again (a restore per checkpoint): sort it once
+                key = (self.version, side)
+                if self._fresh_cache is None or self._fresh_cache[0] != key:
+                    self._fresh_cache = (key, sorted(
+                        (max(p.end for p in sides[1 - side]) if sides[1 - side] else 0, b)
+                        for b, sides in enumerate(self.sides)
+                        if not sides[side]
+                    ))  # fmt: skip
+                others = self._fresh_cache[1]
+            for other, b in others:
+                if other >= size or left <= 0:
+                    break  # the rest are full too, or the need is met
+                if b in used:
+                    continue
                 grants.append((b, size - other))
                 left -= size - other
         out: list[tuple[int, int]] = []
@@ -211,6 +216,7 @@ class BlockLayout:
         return piece
 
     def extend(self, piece: Piece, k: int) -> None:
+        self.version += 1
         piece.length += k
         bump(self.held, piece.owner, k)
         self.num_empty -= k
@@ -300,6 +306,7 @@ class BlockLayout:
             segs = self.segs[piece.owner]
             segs.insert(next(i for i, s in enumerate(segs) if s is piece) + 1, inner)
             self.sides[piece.block][piece.side].append(inner)
+            self.version += 1
             piece.length = a - piece.start
             bump(self.held, piece.owner, a - b)
             self.num_empty += b - a
@@ -307,6 +314,7 @@ class BlockLayout:
     def hand_over(self, src: Hashable, dst: Hashable, n: int) -> None:
         """Re-label ``src``'s first ``n`` tokens (all in leading pieces) as ``dst``'s, in place."""
         segs, dst_segs = self.segs[src], self.segs.setdefault(dst, [])
+        self.version += 1
         rest = n
         while rest:
             piece = segs[0]
@@ -332,7 +340,14 @@ class BlockLayout:
             del self.segs[src]
 
     def check(self) -> None:
-        """No slot owned twice; lists, counters and the free set agree; runs never overlap."""
+        """No slot owned twice; lists, counters and the free set agree; runs never overlap;
+        a current ``fresh`` cache is what a rescan gives."""
+        if self._fresh_cache is not None and self._fresh_cache[0][0] == self.version:
+            side = self._fresh_cache[0][1]
+            sides = self.sides
+            ids = [b for b in range(len(sides)) if not sides[b][side]]
+            again = sorted((self.end(b, 1 - side), b) for b in ids)
+            assert self._fresh_cache[1] == again, "stale fresh() cache"
         size, claimed = self.block_size, set()
         for owner, segs in self.segs.items():
             assert segs and all(s.owner == owner and s.length > 0 for s in segs), owner
