@@ -25,8 +25,11 @@ first — running ones decode one token, waiting ones are admitted in that order
 scheduler's memory and prefill-budget rules (it stops at the first that does not fit), and
 running ones left out are paused with their KV. ``cost(prefill_chunks=[(num_new,
 num_context)], decode_context_lens=[...]) -> seconds`` is the iteration cost model (the
-simulator's ``CostModel.step_time``; None if the scheduler was built without one). Such a
-policy's ``order`` is never called; ``victim(pool)``, if defined, picks whom to retract.
+simulator's ``CostModel.step_time``; None if the scheduler was built without one); it reads
+its list arguments during the call and keeps none (BROS reuses them). The ``view`` may also
+offer ``kv_need(req)`` and ``kv_room(req)`` (the scheduler's admission test, per class) and
+``checkpointed_slots(req)``. Such a policy's ``order`` is never called; ``victim(pool)``, if
+defined, picks whom to retract.
 Policies without ``select_batch`` take the admission walk above, unchanged.
 
 Service measure (optional; the scheduler's share guard, ``worker/share_guard.py``). A policy

@@ -323,6 +323,8 @@ class _Batch:
         self.items: list[Request] = []
         self._chunks: dict[int, tuple[int, int]] = {}  # id(req) -> prefill chunk
         self._decodes: dict[int, int] = {}  # id(req) -> context length
+        self._chunk_list: list[tuple[int, int]] = []  # the values above, in a list each
+        self._decode_list: list[int] = []
 
     def __len__(self) -> int:
         return len(self.items)
@@ -338,8 +340,10 @@ class _Batch:
         self.items.append(req)
         if chunk is not None:
             self._chunks[id(req)] = chunk
+            self._chunk_list.append(chunk)
         else:
             self._decodes[id(req)] = ctx
+            self._decode_list.append(ctx)
         if self._ckpt is not None:
             n = self._ckpt(req)
             if n:
@@ -349,17 +353,17 @@ class _Batch:
         self.items.remove(req)
         self._chunks.pop(id(req), None)
         self._decodes.pop(id(req), None)
+        self._chunk_list = list(self._chunks.values())  # rare (a swap): rebuild
+        self._decode_list = list(self._decodes.values())
         self._swap.pop(id(req), None)
 
     def time(self, extra: Request | None = None, without: Request | None = None) -> float:
         if without is None:  # the common case: no filtering
-            chunks, decodes = list(self._chunks.values()), list(self._decodes.values())
-            swap = sum(self._swap.values()) if self._swap else 0
-        else:
-            gone = id(without)
-            chunks = [v for k, v in self._chunks.items() if k != gone]
-            decodes = [v for k, v in self._decodes.items() if k != gone]
-            swap = sum(v for k, v in self._swap.items() if k != gone)
+            return self._time_plus(extra)
+        gone = id(without)
+        chunks = [v for k, v in self._chunks.items() if k != gone]
+        decodes = [v for k, v in self._decodes.items() if k != gone]
+        swap = sum(v for k, v in self._swap.items() if k != gone)
         if extra is not None:
             chunk, ctx = self._work(extra)
             if chunk is not None:
@@ -373,6 +377,32 @@ class _Batch:
                 prefill_chunks=chunks, decode_context_lens=decodes, swap_in_tokens=swap
             )
         return self.cost(prefill_chunks=chunks, decode_context_lens=decodes)
+
+    def _time_plus(self, extra: Request | None) -> float:
+        """``time(extra)`` without copying: the batch's own lists, kept in step with ``add``
+        and ``remove``, with ``extra`` appended for the call and popped after."""
+        chunks, decodes = self._chunk_list, self._decode_list
+        swap = sum(self._swap.values()) if self._swap else 0
+        chunk = ctx = None
+        if extra is not None:
+            chunk, ctx = self._work(extra)
+            if chunk is not None:
+                chunks.append(chunk)
+            else:
+                decodes.append(ctx)
+            if self._ckpt is not None:
+                swap += self._ckpt(extra)
+        try:
+            if swap:
+                return self.cost(
+                    prefill_chunks=chunks, decode_context_lens=decodes, swap_in_tokens=swap
+                )
+            return self.cost(prefill_chunks=chunks, decode_context_lens=decodes)
+        finally:
+            if chunk is not None:
+                chunks.pop()
+            elif ctx is not None:
+                decodes.pop()
 
     def time_with(self, req: Request, without: Request | None = None) -> float:
         return self.time(extra=req, without=without)

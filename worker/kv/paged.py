@@ -115,7 +115,10 @@ class BlockLayout:
         return [self.slot(p, off) for p in self.pieces(owner) for off in range(p.start, p.end)]
 
     def end(self, block: int, side: int, skip: frozenset = NO_ONE) -> int:
-        return max((p.end for p in self.sides[block][side] if p.owner not in skip), default=0)
+        pieces = self.sides[block][side]
+        if not skip and len(pieces) == 1:  # the usual case: one run on a side
+            return pieces[0].end
+        return max((p.end for p in pieces if p.owner not in skip), default=0)
 
     def growable(self, owner: Hashable, side: int, skip: frozenset = NO_ONE) -> Piece | None:
         """``owner``'s last segment if it is a piece on ``side``, innermost there (may grow)."""

@@ -230,9 +230,12 @@ class PrefixKVCache:
         kw = self._class_of(owner)
         alloc = self.allocator
         short = num_tokens - alloc.num_free_tokens()
-        if short <= 0 and alloc.can_allocate(owner, num_tokens, **kw):  # nothing to evict
-            alloc.allocate(owner, num_tokens, **kw)
-            return
+        if short <= 0:  # nothing to evict: the allocator checks before it changes anything
+            try:
+                alloc.allocate(owner, num_tokens, **kw)
+                return
+            except OutOfMemory:
+                pass
         if not self.can_allocate(owner, num_tokens):  # check before evicting anything
             raise OutOfMemory(f"need {num_tokens} tokens, {self.available_tokens(owner)} available")
         if short > 0:
