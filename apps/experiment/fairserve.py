@@ -258,23 +258,7 @@ def run_case(
     wall0 = time.perf_counter()
 
     def issue(inter: Interaction, t: float) -> None:
-        app = inter.user.app
-        n = inter.levels[inter.level]
-        inter.outstanding = n
-        for _ in range(n):
-            n_in = int(rng.integers(*app.input_len)) + app.system_len + 8 * inter.level
-            prompt = inter.context[: n_in - 1] + (VOCAB + len(inter.calls),)
-            req = Request(
-                f"{inter.iid}/{len(inter.calls)}",
-                inter.user.name,
-                prompt,
-                int(rng.integers(*app.output_len)),
-                t,
-                interaction_id=inter.iid,
-                app=app.name,
-                stage=inter.level,
-            )
-            inter.calls.append(req)
+        for req in level_calls(inter, rng, t):
             owner[id(req)] = inter
             if sched.add_request(req, t) is not None:
                 inter.throttled = True
@@ -319,6 +303,31 @@ def run_case(
     return {"scenario": scenario, **row}
 
 
+def level_calls(inter: Interaction, rng: np.random.Generator, t: float) -> list[Request]:
+    """The calls of ``inter``'s current level, issued at ``t`` (recorded in ``inter.calls``;
+    ``inter.outstanding`` set to their number)."""
+    app = inter.user.app
+    n = inter.levels[inter.level]
+    inter.outstanding = n
+    out = []
+    for _ in range(n):
+        n_in = int(rng.integers(*app.input_len)) + app.system_len + 8 * inter.level
+        prompt = inter.context[: n_in - 1] + (VOCAB + len(inter.calls),)
+        req = Request(
+            f"{inter.iid}/{len(inter.calls)}",
+            inter.user.name,
+            prompt,
+            int(rng.integers(*app.output_len)),
+            t,
+            interaction_id=inter.iid,
+            app=app.name,
+            stage=inter.level,
+        )
+        inter.calls.append(req)
+        out.append(req)
+    return out
+
+
 def _fresh(i: Interaction) -> Interaction:
     return Interaction(i.iid, i.user, i.start_s, list(i.levels), i.context)
 
@@ -326,10 +335,15 @@ def _fresh(i: Interaction) -> Interaction:
 # ---------------------------------------------------------------- the experiment
 
 
-def run(*, quick: bool = False, seed: int = 0) -> dict[str, Any]:
+def run(*, quick: bool = False, seed: int = 0, dp: int = 1) -> dict[str, Any]:
+    """One worker (``dp`` 1), or a cluster of ``dp`` behind the router (``fairserve_cluster``)."""
+    from .fairserve_cluster import run_case_cluster, scaled_users
+
     duration = QUICK_DURATION_S if quick else DURATION_S
     wall0 = time.perf_counter()
     users = make_users(np.random.default_rng(seed))
+    if dp > 1:
+        users = scaled_users(users, dp)
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     checked: list[dict[str, Any]] = []
@@ -338,7 +352,12 @@ def run(*, quick: bool = False, seed: int = 0) -> dict[str, Any]:
         interactions = make_interactions(users, duration, seed, factor)
         offered[scenario] = {"overload_factor": factor, **offered_load(interactions, duration)}
         by_policy = {
-            c.label: run_case(c, interactions, duration, seed, scenario) for c in policies()
+            c.label: (
+                run_case(c, interactions, duration, seed, scenario)
+                if dp == 1
+                else run_case_cluster(c, interactions, duration, seed, dp, scenario)
+            )
+            for c in policies()
         }
         rows.extend(by_policy.values())
         checks.extend(targets(by_policy, scenario))
@@ -351,6 +370,7 @@ def run(*, quick: bool = False, seed: int = 0) -> dict[str, Any]:
         "seed": seed,
         "duration_s": duration,
         "worker": {"gpu": GPU, "model": MODEL, "kv_tokens": KV_TOKENS},
+        "dp": dp,
         "num_users": NUM_USERS,
         "num_abusive": NUM_ABUSIVE,
         "apps": [a.name for a in APPS],
@@ -364,11 +384,15 @@ def run(*, quick: bool = False, seed: int = 0) -> dict[str, Any]:
 
 
 def cli_run(args: Any, cluster_flags: tuple[str, ...], usage_error: type, print_rows) -> int:
-    """``python -m sgl_fair.experiment run fairserve-apps [--quick] [--json] [--seed N]``."""
-    given = [f"--{f}" for f in cluster_flags if getattr(args, f) is not None]
+    """``python -m sgl_fair.experiment run fairserve-apps [--quick] [--json] [--seed N]
+    [--dp N]`` (``--dp``: over a cluster behind the router, with its OIT for fairserve)."""
+    given = [f"--{f}" for f in cluster_flags if f != "dp" and getattr(args, f) is not None]
     if given:
         raise usage_error(f"{', '.join(given)}: only for cluster experiments, not {NAME}")
-    data = run(quick=args.quick, seed=args.seed)
+    dp = 1 if getattr(args, "dp", None) is None else args.dp
+    if not 1 <= dp <= 64:
+        raise usage_error(f"--dp must be between 1 and 64 (got {dp})")
+    data = run(quick=args.quick, seed=args.seed, dp=dp)
     out = args.out or Path("runs") / NAME
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(data, indent=2) + "\n")

@@ -129,8 +129,30 @@ def test_list_names_the_experiment(capsys):
 
 
 def test_cluster_flags_are_refused(capsys):
-    assert main(["run", "fairserve-apps", "--quick", "--dp", "2"]) == 2
+    assert main(["run", "fairserve-apps", "--quick", "--router", "rr"]) == 2
+    assert "--router" in capsys.readouterr().err
+    assert main(["run", "fairserve-apps", "--quick", "--dp", "0"]) == 2
     assert "--dp" in capsys.readouterr().err
+
+
+def test_over_a_cluster_the_router_throttles_the_abusers_only():
+    """``--dp 2``: the same users (rates × 2) behind the router; fairserve's OIT runs at the
+    router over the cluster's load, throttles every abuser and no benign user, wastes nothing;
+    vtc throttles nobody. 90 s of the benign-overload scenario (overload builds by then)."""
+    from sgl_fair.experiment.fairserve_cluster import run_case_cluster, scaled_users
+
+    users = scaled_users(fairserve.make_users(np.random.default_rng(0)), 2)
+    factor = fairserve.SCENARIOS["benign-overload"]
+    inters = fairserve.make_interactions(users, 90.0, 0, factor)
+    cases = {c.label: c for c in fairserve.policies()}
+    vtc = run_case_cluster(cases["vtc"], inters, 90.0, 0, 2, "benign-overload")
+    fs = run_case_cluster(cases["fairserve"], inters, 90.0, 0, 2, "benign-overload")
+    assert vtc["dp"] == fs["dp"] == 2 and vtc["router"] == "d2lpm"
+    assert vtc["interactions_throttled"] == vtc["router_throttled"] == 0
+    assert fs["router_throttled"] > 0  # the router's OIT, not only the workers', refused calls
+    assert fs["abusive_users_throttled"] == fs["abusive_throttled_in_overload"] == 6
+    assert fs["benign_users_throttled"] == 0 and fs["tokens_wasted"] == 0
+    assert all(k in fs for k in FIELDS[:-1])  # computed_* is the single-worker run's only
 
 
 def test_queueing_delay_is_the_schedulers_queue_time():
