@@ -155,9 +155,23 @@ def restore_checkpointed(
     return ready, swap_in
 
 
+def _short(sched: Scheduler, decode: list[Request]) -> bool:
+    """Whether the chosen decodes' next tokens may not fit: per class where the allocator
+    places by class (an RT request cannot grow into another RT request's block)."""
+    kv = sched.kv
+    if len(decode) > kv.available_tokens():
+        return True
+    by_class: dict[object, list[Request]] = {}
+    for r in decode:
+        by_class.setdefault(r.service_class, []).append(r)
+    if len(by_class) == 1 and not kv.overwrites(decode[0]) and not kv.keeps_private(decode[0]):
+        return False  # one room for every class: the test above was it
+    return any(len(reqs) > kv.available_tokens(reqs[0]) for reqs in by_class.values())
+
+
 def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
     """Retract (paused requests first) until every chosen decode can grow by one token."""
-    while sched.kv.available_tokens() < len(decode) and len(sched.running) > 1:
+    while decode and _short(sched, decode) and len(sched.running) > 1:
         paused = [r for r in sched.running if r not in decode]
         pool = paused or sched.running
         victim = sched._victim(pool)

@@ -114,6 +114,8 @@ class BidirectionalAllocator:
         self._ckpt: dict[Hashable, int] = {}
         self._class: dict[Hashable, str] = {}
         self.pinned: set[Hashable] = set()  # BE owners RT must not overwrite now (``pin``)
+        self._pin_version = 0
+        self._rt_room: tuple[tuple[int, int, int], int] | None = None  # num_free_tokens_for
         self._copies: list[KVCopy] | None = None  # the copy journal; None: not recording
 
     def record_copies(self) -> None:
@@ -153,6 +155,9 @@ class BidirectionalAllocator:
         size = self.block_size
         if self._checked_class(None, request_class) == BE:
             return self.layout.num_empty
+        key = (self.layout.version, len(self._free_host), self._pin_version)
+        if self._rt_room is not None and self._rt_room[0] == key:
+            return self._rt_room[1]  # nothing it reads has changed since
         room, host_left = len(self.layout.free_blocks) * size, len(self._free_host)
         for left, right in self.layout.sides:
             if left or not right:
@@ -165,15 +170,19 @@ class BidirectionalAllocator:
                     continue
                 host_left -= 1
             room += size - pinned
+        self._rt_room = (key, room)
         return room
 
     def pin(self, owner: Hashable) -> None:
         """Keep RT from overwriting ``owner``'s slots until ``unpin_all`` (a scheduler pins
         the requests it prefills in a step: overwriting them would undo the step's work)."""
         self.pinned.add(owner)
+        self._pin_version += 1
 
     def unpin_all(self) -> None:
-        self.pinned.clear()
+        if self.pinned:
+            self.pinned.clear()
+            self._pin_version += 1
 
     def _pinned(self, owner: Hashable) -> bool:
         return owner is CACHE or owner in self.pinned
@@ -516,6 +525,11 @@ class BidirectionalAllocator:
     def check_invariants(self) -> None:
         size, layout, host_blocks = self.block_size, self.layout, set()
         layout.check()
+        if self._rt_room is not None:  # a cached answer must be today's
+            cached, self._rt_room = self._rt_room, None
+            key = (layout.version, len(self._free_host), self._pin_version)
+            fresh = self.num_free_tokens_for(RT)
+            assert cached[0] != key or cached[1] == fresh, "stale RT room"
         for owner, segs in layout.segs.items():
             ckpt = 0
             for i, host in enumerate(segs):
