@@ -173,6 +173,7 @@ class ClusterOIT:
                 reason, retry_after, limit, limit_max = over
                 window_s = self.windows.limits.window_s
                 return Rejection(reason, retry_after, limit, limit_max, window_s)
+        req.oit_checked = True  # judged over the cluster: the worker's OIT lets it through
         iid = req.interaction_id
         if iid is not None:
             self._interactions[iid] = max(self._interactions.get(iid, now), now)

@@ -1,11 +1,12 @@
-"""``fairserve-apps --dp N``: the same users and interactions over a simulated cluster.
+"""``fairserve-apps --dp N``: the single-worker run's users, N times over, on a simulated cluster.
 
 One worker per GPU runs the row's local policy; the router dispatches with D2LPM (the
 user is the client). For ``fairserve`` the router also runs FairServe's OIT over the
 cluster (``router/oit.py``): a worker sees only the share of a user's calls routed to it,
 so its own windows undercount the user's rate by up to N×, and only the router sees the
-cluster's load. Each user's rate is scaled by N, so the cluster is as loaded as one worker
-is in the single-worker run. Rows are measured as there (``fairserve_report.make_row``).
+cluster's load. The user population is copied N times (each user's own rate unchanged),
+so the cluster is as loaded as one worker is in the single-worker run. Rows are measured
+as there (``fairserve_report.make_row``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ ROUTER = "d2lpm"
 
 
 def scaled_users(users: list[User], dp: int) -> list[User]:
-    """Every user's rate × ``dp``: the cluster offered what one worker is offered × dp."""
-    return [dataclasses.replace(u, rate_per_s=u.rate_per_s * dp) for u in users]
+    """``dp`` copies of the user population (``user0042.1``, …), each user as it is: the
+    cluster is offered dp× what one worker is, and no user's own rate changes (a per-user
+    limit such as RPM's meets the same users as in the single-worker run)."""
+    if dp == 1:
+        return list(users)
+    return [dataclasses.replace(u, name=f"{u.name}.{k}") for k in range(dp) for u in users]
 
 
 class InteractionProgram:

@@ -201,7 +201,10 @@ class FairServe(BasePolicy):
         starts = self._starts_interaction(req, now)
         if self.config.throttle:
             self.windows.count(req.client, req.app, now)
-            if starts and self.overloaded():
+            # ``oit_checked``: the router's cluster OIT let it through, having seen every call
+            # of its interaction (this worker may have seen only some: refusing here would cut
+            # an interaction mid-way, e.g. one call of a fan-out whose others run elsewhere).
+            if starts and not req.oit_checked and self.overloaded():
                 over = self.windows.over_limit(req.client, req.app, now)
                 if over is not None:
                     self.num_throttled += 1

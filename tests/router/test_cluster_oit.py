@@ -307,3 +307,30 @@ def test_launch_flags(capsys):
             parse_config(args)
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "--cluster-oit" in err and says in err, err
+
+
+def test_a_call_the_router_let_through_is_never_refused_by_a_worker():
+    """The router judges a call over the whole cluster and marks it ``oit_checked`` (it
+    survives the wire); a worker's OIT, which may have seen none of the interaction's other
+    calls, lets it through instead of cutting the interaction mid-way."""
+    from sgl_fair.messages import Dispatch
+    from sgl_fair.transport import decode, encode
+
+    limits = {"user_limit": 1, "window_s": 60}
+    policy = make_policy("fairserve", max_waiting=0, limits=limits)  # overloaded: 0 waiting
+    policy.attach_load(lambda: 1.0)
+    o = ClusterOIT(max_waiting=0, limits=limits)
+    view = View(n=2)
+    view.all(0.0, kv=1.0)
+    first = req("mallory", "judge-1", t=0.0)
+    assert o.on_arrival(first, 0.0, view) is None and first.oit_checked
+    assert policy.on_arrival(req("mallory", "other", t=0.0), 0.0) is None  # fills the window
+    fan = req("mallory", "judge-1", t=0.1)  # a fan-out call this worker has never seen
+    assert o.on_arrival(fan, 0.1, view) is None and fan.oit_checked
+    wired = decode(encode(Dispatch(1, fan, 0.1))).req
+    assert wired.oit_checked
+    assert policy.on_arrival(wired, 0.1) is None
+    unchecked = req("mallory", "judge-2", t=0.2)  # the same, not through the router's OIT
+    assert policy.on_arrival(unchecked, 0.2) is not None
+    refused = req("mallory", "judge-3", t=0.3)
+    assert o.on_arrival(refused, 0.3, view) is not None and not refused.oit_checked
