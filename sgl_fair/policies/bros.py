@@ -358,31 +358,19 @@ class _Batch:
         self._swap.pop(id(req), None)
 
     def time(self, extra: Request | None = None, without: Request | None = None) -> float:
-        if without is None:  # the common case: no filtering
-            return self._time_plus(extra)
-        gone = id(without)
-        chunks = [v for k, v in self._chunks.items() if k != gone]
-        decodes = [v for k, v in self._decodes.items() if k != gone]
-        swap = sum(v for k, v in self._swap.items() if k != gone)
-        if extra is not None:
-            chunk, ctx = self._work(extra)
-            if chunk is not None:
-                chunks.append(chunk)
-            else:
-                decodes.append(ctx)
-            if self._ckpt is not None:
-                swap += self._ckpt(extra)
-        if swap:
-            return self.cost(
-                prefill_chunks=chunks, decode_context_lens=decodes, swap_in_tokens=swap
-            )
-        return self.cost(prefill_chunks=chunks, decode_context_lens=decodes)
+        if without is None:  # the common case: the batch's own lists, no copy
+            chunks, decodes = self._chunk_list, self._decode_list
+            swap = sum(self._swap.values()) if self._swap else 0
+        else:
+            gone = id(without)
+            chunks = [v for k, v in self._chunks.items() if k != gone]
+            decodes = [v for k, v in self._decodes.items() if k != gone]
+            swap = sum(v for k, v in self._swap.items() if k != gone)
+        return self._price(chunks, decodes, swap, extra)
 
-    def _time_plus(self, extra: Request | None) -> float:
-        """``time(extra)`` without copying: the batch's own lists, kept in step with ``add``
-        and ``remove``, with ``extra`` appended for the call and popped after."""
-        chunks, decodes = self._chunk_list, self._decode_list
-        swap = sum(self._swap.values()) if self._swap else 0
+    def _price(self, chunks: list, decodes: list, swap: int, extra: Request | None) -> float:
+        """``cost`` of the lists with ``extra``'s work appended for the call and popped after
+        (the lists may be the batch's own, kept in step with ``add`` and ``remove``)."""
         chunk = ctx = None
         if extra is not None:
             chunk, ctx = self._work(extra)
