@@ -173,7 +173,10 @@ class ClusterOIT:
                 reason, retry_after, limit, limit_max = over
                 window_s = self.windows.limits.window_s
                 return Rejection(reason, retry_after, limit, limit_max, window_s)
-        req.oit_checked = True  # judged over the cluster: the worker's OIT lets it through
+        # Judged over the cluster: with more than one worker, a worker sees only some of an
+        # interaction's calls, so its OIT lets this one through (one worker sees them all,
+        # and sooner than the router's Load reports: it keeps judging bursts itself).
+        req.oit_checked = len(view.workers) > 1
         iid = req.interaction_id
         if iid is not None:
             self._interactions[iid] = max(self._interactions.get(iid, now), now)

@@ -63,10 +63,10 @@ class Request:
     interaction_id: str | None = None
     app: str | None = None
     stage: int = 0
-    # Set by a router running FairServe's cluster OIT when that OIT let the call through: it
-    # judged the call over the whole cluster (every call of its interaction, on any worker), so
-    # a worker's own OIT, which sees only the calls routed to it, must not refuse it (it
-    # would refuse calls of an interaction whose other calls run elsewhere: tokens wasted).
+    # Set by a router running FairServe's cluster OIT over several workers when that OIT let
+    # the call through: it judged the call over the whole cluster (every call of its
+    # interaction, on any worker), so a worker's own OIT, which sees only the calls routed to
+    # it, must not refuse it (it would cut an interaction whose other calls run elsewhere).
     oit_checked: bool = False
     # Workload provenance: the prompt starts with `group_prefix_len` tokens shared by every
     # request of `prefix_group` (what a trace line says; the scheduler never reads it).

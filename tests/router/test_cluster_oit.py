@@ -334,3 +334,8 @@ def test_a_call_the_router_let_through_is_never_refused_by_a_worker():
     assert policy.on_arrival(unchecked, 0.2) is not None
     refused = req("mallory", "judge-3", t=0.3)
     assert o.on_arrival(refused, 0.3, view) is not None and not refused.oit_checked
+    # One worker sees every call (and before the router's Load reports): it keeps judging.
+    alone = View(n=1)
+    alone.all(0.4, kv=0.0)
+    solo = req("mallory", "judge-4", t=0.4)
+    assert o.on_arrival(solo, 0.4, alone) is None and not solo.oit_checked
