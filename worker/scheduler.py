@@ -332,7 +332,6 @@ class Scheduler:
         reserved_for: dict[frozenset, float] = {}  # by the classes a request may overwrite
         kv = self.kv
         chunks: list[PrefillChunk] = []
-        admitted: set[int] = set()
         if walk is None:
             walk = self.policy.order(tuple(self.waiting), self)
         try:
@@ -365,7 +364,6 @@ class Scheduler:
                 kv.allocate(req, alloc)
                 kv.pin(req)  # a later admission this step must not overwrite its prefill
                 self._on_admit(req, handle, extend)
-                admitted.add(id(req))
                 chunks.append(PrefillChunk(req, handle.prefix_len, n, last))
                 if last:  # a chunked request's rest is reserved via `self.chunked`
                     promised += extend + reserve - alloc
@@ -378,7 +376,7 @@ class Scheduler:
             close = getattr(walk, "close", None)  # generators: run their cleanup now
             if close is not None:
                 close()
-        if admitted:
+        if chunks:
             self.waiting = without(self.waiting, [c.req for c in chunks])
             memo = self._match_memo
             for chunk in chunks:

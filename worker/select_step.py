@@ -161,11 +161,11 @@ def _short(sched: Scheduler, decode: list[Request]) -> bool:
     kv = sched.kv
     if len(decode) > kv.available_tokens():
         return True
+    if not kv.classed:
+        return False  # one room for every class: the test above was it
     by_class: dict[object, list[Request]] = {}
     for r in decode:
         by_class.setdefault(r.service_class, []).append(r)
-    if len(by_class) == 1 and not kv.overwrites(decode[0]) and not kv.keeps_private(decode[0]):
-        return False  # one room for every class: the test above was it
     return any(len(reqs) > kv.available_tokens(reqs[0]) for reqs in by_class.values())
 
 

@@ -33,6 +33,14 @@ def _cells(rows):
     return by_key(rows, ("workload", "scenario", "dp"))
 
 
+def _detail(n: int, what: str, extreme: str, bad: list[str]) -> str:
+    """ "k/n cells; min 0.97; below: …" (the first six failures)."""
+    out = f"{n - len(bad)}/{n} {what}; {extreme}"
+    if bad:
+        out += "; below: " + ", ".join(bad[:6]) + (" …" if len(bad) > 6 else "")
+    return out
+
+
 def _ratio_claim(rows, text, metric, num_label, den_labels, *, at_least, combine=max, min_dp=2):
     """For every (workload, scenario, dp >= min_dp) cell: num / combine(den) >= at_least."""
     ratios, bad = [], []
@@ -49,10 +57,7 @@ def _ratio_claim(rows, text, metric, num_label, den_labels, *, at_least, combine
             bad.append(f"{key[0]}-{key[1]} dp={key[2]}: {ratio:.2f}")
     if not ratios:
         return missing(text)
-    detail = f"{len(ratios) - len(bad)}/{len(ratios)} cells; min {min(ratios):.2f}"
-    if bad:
-        detail += "; below: " + ", ".join(bad[:6]) + (" …" if len(bad) > 6 else "")
-    return claim(text, not bad, detail)
+    return claim(text, not bad, _detail(len(ratios), "cells", f"min {min(ratios):.2f}", bad))
 
 
 def _diff_claim(rows, text, metric, num_label, den_labels, *, slack, min_dp=2):
@@ -71,10 +76,7 @@ def _diff_claim(rows, text, metric, num_label, den_labels, *, slack, min_dp=2):
             bad.append(f"{key[0]}-{key[1]} dp={key[2]}: {d:+.3f}")
     if not diffs:
         return missing(text)
-    detail = f"{len(diffs) - len(bad)}/{len(diffs)} cells; worst {min(diffs):+.3f}"
-    if bad:
-        detail += "; below: " + ", ".join(bad[:6]) + (" …" if len(bad) > 6 else "")
-    return claim(text, not bad, detail)
+    return claim(text, not bad, _detail(len(diffs), "cells", f"worst {min(diffs):+.3f}", bad))
 
 
 UNFAIR = ("RR+LPM", "Preble", "CacheAware+LPM")
@@ -146,10 +148,7 @@ def _well_behaved_claim(rows, *, at_least=0.95):
     text = f"every well-behaved client gets ≥ {at_least}× its service rate under VTC"
     if not ratios:
         return missing(text)
-    detail = f"{len(ratios) - len(bad)}/{len(ratios)} clients; min {min(ratios):.2f}"
-    if bad:
-        detail += "; below: " + ", ".join(bad[:6]) + (" …" if len(bad) > 6 else "")
-    return claim(text, not bad, detail)
+    return claim(text, not bad, _detail(len(ratios), "clients", f"min {min(ratios):.2f}", bad))
 
 
 def _grid_claims(rows):

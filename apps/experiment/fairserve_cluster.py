@@ -62,8 +62,7 @@ class InteractionProgram:
 
     def on_failed(self, req: Request, now: float) -> None:
         inter = self.inter
-        if not inter.throttled:
-            inter.throttled = True
+        inter.throttled = True
         self._rejections.append((now, inter))
         self._settle(now)
 

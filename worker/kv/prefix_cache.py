@@ -191,6 +191,11 @@ class PrefixKVCache:
         self.tree.lock(node)
         return PrefixHandle(matched, node)
 
+    @property
+    def classed(self) -> bool:
+        """Whether the allocator places requests by RT/BE class (bidirectional blocks)."""
+        return self._classed
+
     def _class_of(self, owner: Hashable) -> dict:
         """``request_class=`` for allocators that place by RT/BE class (bidirectional)."""
         if not self._classed:
