@@ -170,25 +170,37 @@ class BROS(BasePolicy):
         floor_s = cost(decode_context_lens=(1,))  # one bare iteration
         residual = math.inf
         early = False
+        pending: list[Request] = []  # RT after the first one with a residual: all capped by it
         for _, _, r in urgent:
-            if len(batch) >= limit:
+            if len(batch) + len(pending) >= limit:
                 break
             if not mem.fits(r):  # l.5: only while blocks are available (a waiting one waits)
                 continue
-            doomed = rem[id(r)] < floor_s
-            if not batch or doomed:
+            left = rem[id(r)]
+            doomed = left < floor_s
+            if doomed or not batch:
                 batch.add(r)
                 mem.take(r)
                 if not doomed:
-                    residual = min(residual, rem[id(r)])
+                    residual = left
                 continue
-            cap = min(residual, rem[id(r)])
-            if batch.time_with(r) > cap:
-                early = True  # l.11–12: return the batch as it is
-                break
-            batch.add(r)
+            if residual == math.inf:  # the first with a deadline to keep, after doomed ones
+                if batch.time_with(r) > left:
+                    early = True  # l.11–12: return the batch as it is
+                    break
+                batch.add(r)
+                mem.take(r)
+                residual = left
+                continue
+            # Sorted by remaining time, every later request has at least `residual` left, so
+            # the cap stays `residual`: l.6–15 add the longest prefix that fits, found below.
+            pending.append(r)
             mem.take(r)
-            residual = cap
+        if pending:
+            k = batch.add_prefix(pending, residual)
+            for r in pending[k:]:
+                mem.give(r)
+            early = k < len(pending)  # l.11–12: the first that did not fit ends the batch
         if not early:
             self._be_phase(batch, mem, be, rem, residual, limit)
         chosen = batch.requests()
@@ -381,16 +393,51 @@ class _Batch:
             if self._ckpt is not None:
                 swap += self._ckpt(extra)
         try:
-            if swap:
-                return self.cost(
-                    prefill_chunks=chunks, decode_context_lens=decodes, swap_in_tokens=swap
-                )
-            return self.cost(prefill_chunks=chunks, decode_context_lens=decodes)
+            return self._call(chunks, decodes, swap)
         finally:
             if chunk is not None:
                 chunks.pop()
             elif ctx is not None:
                 decodes.pop()
+
+    def add_prefix(self, reqs: Sequence[Request], cap: float) -> int:
+        """Add the longest prefix of ``reqs`` that keeps ``T_iter <= cap`` and return its
+        length. ``T_iter`` never falls as requests join, so the prefix is found by binary
+        search over prefix lengths: O(log n) prices instead of one per request."""
+        chunks, decodes = list(self._chunk_list), list(self._decode_list)
+        ends = [(len(chunks), len(decodes), sum(self._swap.values()))]
+        for r in reqs:
+            chunk, ctx = self._work(r)
+            if chunk is not None:
+                chunks.append(chunk)
+            else:
+                decodes.append(ctx)
+            swap = self._ckpt(r) if self._ckpt is not None else 0
+            ends.append((len(chunks), len(decodes), ends[-1][2] + swap))
+
+        def fits(m: int) -> bool:
+            nc, nd, swap = ends[m]
+            return self._call(chunks[:nc], decodes[:nd], swap) <= cap
+
+        lo, hi = 0, len(reqs)  # the prefix of lo fits (or lo = 0), that of hi does not
+        if fits(hi):
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        for r in reqs[:lo]:
+            self.add(r)
+        return lo
+
+    def _call(self, chunks: list, decodes: list, swap: int) -> float:
+        if swap:
+            return self.cost(
+                prefill_chunks=chunks, decode_context_lens=decodes, swap_in_tokens=swap
+            )
+        return self.cost(prefill_chunks=chunks, decode_context_lens=decodes)
 
     def time_with(self, req: Request, without: Request | None = None) -> float:
         return self.time(extra=req, without=without)

@@ -328,3 +328,39 @@ def test_t_iter_counts_the_swap_in_of_checkpointed_be_requests():
     assert bros2.select_batch([rt, be], view, cm.step_time) == [rt]
     # A cost callable that does not price swap-in is called as before.
     assert bros2.select_batch([rt, be], view, linear_cost) == [rt, be]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    first=st.lists(st.tuples(st.integers(1, 900), st.integers(0, 3)), max_size=4),
+    rest=st.lists(
+        st.tuples(st.integers(1, 900), st.integers(0, 3), st.integers(0, 40)), max_size=40
+    ),
+    cap_ms=st.floats(0.0, 400.0),
+)
+def test_add_prefix_adds_what_one_by_one_packing_adds(first, rest, cap_ms):
+    """``_Batch.add_prefix`` (binary search) adds exactly the requests that adding one at a time
+    while ``T_iter <= cap`` adds (Alg. 1 l.6–15), under the simulator's non-linear cost with
+    swap-in priced: the seam BROS's RT phase relies on."""
+    cost = CostModel.from_names("A100-80GB", "Llama-3-70B", 8).step_time
+    view = FakeView(now=1.0)
+    batches = (_Batch(cost, view, swap_ok=True), _Batch(cost, view, swap_ok=True))
+    for i, (n, d) in enumerate(first):
+        for b in batches:
+            b.add(req(f"f{i}", RT, input_len=n, decoded=d))
+    reqs = []
+    for i, (n, d, slots) in enumerate(rest):
+        r = req(f"r{i}", RT, input_len=n, decoded=d)
+        view.slots[r.rid] = slots * 16 if d else 0
+        reqs.append(r)
+    one_by_one, searched = batches
+    cap = cap_ms / 1e3
+    added = 0
+    for r in reqs:
+        if one_by_one.time_with(r) > cap:
+            break
+        one_by_one.add(r)
+        added += 1
+    assert searched.add_prefix(reqs, cap) == added
+    assert [r.rid for r in searched.requests()] == [r.rid for r in one_by_one.requests()]
+    assert searched.time() == one_by_one.time()
