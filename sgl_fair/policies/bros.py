@@ -171,31 +171,28 @@ class BROS(BasePolicy):
         residual = math.inf
         early = False
         pending: list[Request] = []  # RT after the first one with a residual: all capped by it
-        for _, _, r in urgent:
+        for left, _, r in urgent:
             if len(batch) + len(pending) >= limit:
                 break
-            if not mem.fits(r):  # l.5: only while blocks are available (a waiting one waits)
+            if not mem.take_if_fits(r):  # l.5: only while blocks are available (else it waits)
                 continue
-            left = rem[id(r)]
             doomed = left < floor_s
             if doomed or not batch:
                 batch.add(r)
-                mem.take(r)
                 if not doomed:
                     residual = left
                 continue
             if residual == math.inf:  # the first with a deadline to keep, after doomed ones
                 if batch.time_with(r) > left:
+                    mem.give(r)
                     early = True  # l.11–12: return the batch as it is
                     break
                 batch.add(r)
-                mem.take(r)
                 residual = left
                 continue
             # Sorted by remaining time, every later request has at least `residual` left, so
             # the cap stays `residual`: l.6–15 add the longest prefix that fits, found below.
             pending.append(r)
-            mem.take(r)
         if pending:
             k = batch.add_prefix(pending, residual)
             for r in pending[k:]:
@@ -314,6 +311,16 @@ class _Memory:
         freed = 0 if without is None else self._need(without)
         return self.taken - freed + need <= self._room[cls]
 
+    def take_if_fits(self, req: Request) -> bool:
+        """``take`` if ``fits``, in one call (the RT loop's common case)."""
+        need = self._need(req)
+        if not need:
+            return True
+        if not self.fits(req):
+            return False
+        self.taken += need
+        return True
+
     def take(self, req: Request) -> None:
         self.taken += self._need(req)
 
@@ -406,13 +413,16 @@ class _Batch:
         search over prefix lengths: O(log n) prices instead of one per request."""
         chunks, decodes = list(self._chunk_list), list(self._decode_list)
         ends = [(len(chunks), len(decodes), sum(self._swap.values()))]
+        works = []
+        ckpt = self._ckpt
         for r in reqs:
-            chunk, ctx = self._work(r)
+            chunk, ctx = work = self._work(r)
             if chunk is not None:
                 chunks.append(chunk)
             else:
                 decodes.append(ctx)
-            swap = self._ckpt(r) if self._ckpt is not None else 0
+            swap = ckpt(r) if ckpt is not None else 0
+            works.append((work, swap))
             ends.append((len(chunks), len(decodes), ends[-1][2] + swap))
 
         def fits(m: int) -> bool:
@@ -428,8 +438,18 @@ class _Batch:
                 lo = mid
             else:
                 hi = mid
-        for r in reqs[:lo]:
-            self.add(r)
+        # Commit the prefix from the lists built above (what `add` would do, request by request).
+        nc, nd, _ = ends[lo]
+        del chunks[nc:], decodes[nd:]
+        self._chunk_list, self._decode_list = chunks, decodes
+        for r, ((chunk, ctx), swap) in zip(reqs[:lo], works, strict=False):
+            self.items.append(r)
+            if chunk is not None:
+                self._chunks[id(r)] = chunk
+            else:
+                self._decodes[id(r)] = ctx
+            if swap:
+                self._swap[id(r)] = swap
         return lo
 
     def _call(self, chunks: list, decodes: list, swap: int) -> float:

@@ -415,6 +415,19 @@ class PagedAllocator:
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
         layout = self.layout
+        if num_tokens == 1:  # a decode token: most often one more slot in the owner's room
+            segs = layout.segs.get(owner)
+            last = segs[-1] if segs else None
+            if isinstance(last, Piece) and not last.side:
+                left, right = layout.sides[last.block]
+                end = last.end
+                if (
+                    len(left) == 1  # `last` alone on the left: innermost there
+                    and not right
+                    and end < self.block_size
+                ):
+                    layout.extend(last, 1)
+                    return
         piece = layout.growable(owner, 0)
         room = 0 if piece is None else layout.room(piece)
         if not 0 <= num_tokens <= room + self.num_free_tokens():
