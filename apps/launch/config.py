@@ -16,6 +16,7 @@ from sgl_fair.config import ConfigError, TenantTable, load_tenants
 from sgl_fair.policies import make_policy, policy_class, policy_names
 from sgl_fair.router.oit import SHARED_KEYS, ClusterOITConfig
 from sgl_fair.router.policies import make_router_policy, router_policy_names
+from sgl_fair.worker.sglang.settings import batch_selecting
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.hardware import GPUS, MODELS, get_gpu, get_model
 from sgl_fair.worker.sim.text import EosLengths
@@ -481,9 +482,7 @@ def _check_sglang(a: argparse.Namespace, backend: str, passthrough: list[str], b
     if not urls:
         if kv:
             bad("--worker-kv-endpoint needs --worker-url (the servers it belongs to)")
-        if a.schedule_policy in policy_names() and hasattr(
-            policy_class(a.schedule_policy), "select_batch"
-        ):
+        if a.schedule_policy in policy_names() and batch_selecting(policy_class(a.schedule_policy)):
             bad(
                 f"--schedule-policy {a.schedule_policy} chooses whole running batches, which "
                 "SGLang's scheduler does not let our plugin do; use --backend sim or torch"

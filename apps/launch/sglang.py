@@ -57,6 +57,10 @@ def sglang_server_command(
         argv += ["--context-length", str(cfg.context_length)]
     if cfg.served_model_name is not None:
         argv += ["--served-model-name", cfg.served_model_name]
+    if _class_aware(cfg):
+        # BROS inside SGLang: the bridges send RT/BE as `priority`; SGLang then lets a waiting
+        # RT request preempt running BE ones, and retracts BE first when KV runs out.
+        argv += ["--enable-priority-scheduling", "--retraction-policy", "priority"]
     argv += cfg.sglang_args
     env = dict(os.environ if environ is None else environ)
     env.update(PluginSettings(cfg.schedule_policy, local_policy_opts(cfg, tenants)).env())
@@ -64,6 +68,13 @@ def sglang_server_command(
     if allowed and "sgl_fair" not in allowed:  # a whitelist of SGLang plugins: add ours
         env["SGLANG_PLUGINS"] = ",".join([*allowed, "sgl_fair"])
     return argv, env
+
+
+def _class_aware(cfg: LaunchConfig) -> bool:
+    from sgl_fair.policies import policy_class
+    from sgl_fair.worker.sglang.settings import uses_classes
+
+    return uses_classes(policy_class(cfg.schedule_policy))
 
 
 def bridge_configs(
@@ -81,6 +92,7 @@ def bridge_configs(
             startup_timeout_s=cfg.startup_timeout_s,
             log_level=cfg.log_level,
             server_pid=pid,
+            class_priority=_class_aware(cfg),
         )
         for i, (url, pid) in enumerate(zip(urls, server_pids, strict=True))
     ]

@@ -122,14 +122,39 @@ class BROS(BasePolicy):
         if self._to_inner(req):
             self.inner.on_aborted(req, waiting)
 
+    # A host that cannot choose the running batch (SGLang's scheduler decodes every running
+    # request) may still run BROS's admission order: `order` below (worker/sglang/settings.py).
+    admission_order = True
+
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
-        return iter(waiting)  # unused: the scheduler calls select_batch instead
+        """BROS's admission order, for hosts without ``select_batch`` (our scheduler calls
+        ``select_batch`` and never this): RT first, the most urgent first (Eq. 6's remaining
+        time, as in l.3); then BE, the least-served client first under an ``inner`` policy
+        (its own lazy order, charged by each admission), else in arrival order. What such a
+        host lacks: pausing decodes, the residual cap on prefill and the adaptive B."""
+        now = view.now
+        self._stamp(now)
+        rt = [r for r in waiting if r.service_class is ServiceClass.RT]
+        be = [r for r in waiting if r.service_class is not ServiceClass.RT]
+        rt.sort(key=lambda r: (self.remaining_s(r, now), r.seq))
+        yield from rt
+        if self.inner is not None:
+            yield from self.inner.order(be, view)
+        else:
+            yield from be
 
     def victim(self, pool: Sequence[Request]) -> Request:
         """Retract BE first, then the RT with the most slack; fewest tokens lost within."""
         return max(pool, key=lambda r: (r.service_class is ServiceClass.BE, -r.num_output))
 
     # ---------------------------------------------------------------- deadlines
+
+    def _stamp(self, now: float) -> None:
+        """Requests that got tokens in the last step got them at ``now`` (``on_tokens`` runs
+        before the clock is read)."""
+        for req in self._fresh:
+            self._t_last[id(req)] = now
+        self._fresh.clear()
 
     def remaining_s(self, req: Request, now: float) -> float:
         """Eq. 6 (our reading): time left until ``req``'s next token-group deadline."""
@@ -151,9 +176,7 @@ class BROS(BasePolicy):
         now = view.now
         if cost is None:  # a scheduler built without a cost model: only B limits the batch
             cost = _free_iteration
-        for req in self._fresh:
-            self._t_last[id(req)] = now
-        self._fresh.clear()
+        self._stamp(now)
         if not candidates:
             return []
         if cost is not self._cost:  # the scheduler passes the same callable every iteration

@@ -349,3 +349,37 @@ def test_the_entry_point_is_installed():
 
     (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "sgl_fair"]
     assert ep.load() is plugin.register
+
+
+def test_bros_inside_sglang_admits_urgent_rt_first_then_be_fairly():
+    """``--schedule-policy bros`` in SGLang's own admission: a request's class comes from
+    SGLang's ``priority`` (our bridge sends ``RT_PRIORITY`` for RT); RT requests are admitted
+    first, the closest to its TTFT deadline first, then BE in the inner VTC order (the light
+    client before the heavy one's second request), not in arrival order."""
+    from sgl_fair.request import ServiceClass
+    from sgl_fair.worker.sglang.settings import RT_PRIORITY
+
+    rig = fair_rig("bros", {"inner": "vtc"})
+    fair = rig.scheduler.policy
+    clock = [0.0]
+    fair.ledger.clock = lambda: clock[0]
+    arrivals = [
+        ("h0", "heavy", None, 0.00),
+        ("h1", "heavy", None, 0.00),
+        ("light", "light", None, 0.10),
+        ("rt-new", "chat", RT_PRIORITY, 0.20),
+        ("rt-old", "chat", RT_PRIORITY, 0.15),
+        ("low", "chat", RT_PRIORITY - 1, 0.16),  # below the RT threshold: BE
+    ]
+    for i, (rid, client, priority, at) in enumerate(arrivals):
+        s = make_req([1000 + 10 * i + j for j in range(50)], client, rid=rid)
+        s.priority = priority
+        clock[0] = at
+        assert fair.ledger.arrived(s) is None
+        rig.queue(s)
+    classes = {rid: m.service_class for rid, m in fair.ledger.mirrors.items()}
+    assert [rid for rid, c in classes.items() if c is ServiceClass.RT] == ["rt-new", "rt-old"]
+    clock[0] = 0.3
+    admitted = [r.rid for r in rig.admit()]
+    assert admitted[:2] == ["rt-old", "rt-new"]
+    assert admitted[2:] == ["h0", "light", "low", "h1"]  # VTC: least served client first

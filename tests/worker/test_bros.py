@@ -364,3 +364,32 @@ def test_add_prefix_adds_what_one_by_one_packing_adds(first, rest, cap_ms):
     assert searched.add_prefix(reqs, cap) == added
     assert [r.rid for r in searched.requests()] == [r.rid for r in one_by_one.requests()]
     assert searched.time() == one_by_one.time()
+
+
+def test_order_for_hosts_without_batch_selection_puts_urgent_rt_first_then_fair_be():
+    """``BROS.order`` (what the SGLang plugin runs): RT by remaining time to the deadline, the
+    most urgent first, whatever the arrival order; then BE in the inner policy's order (VTC:
+    the least-served client first, re-read after each admission)."""
+    bros = make_policy("bros", inner="vtc")
+    heavy = [req(f"h{i}", BE, arrival=0.0, client="heavy", input_len=50) for i in range(2)]
+    light = req("light", BE, arrival=0.2, client="light", input_len=50)
+    late_rt = req("rt-late", RT, arrival=0.5)
+    old_rt = req("rt-old", RT, arrival=0.3)
+    waiting = [*heavy, old_rt, light, late_rt]
+    for r in waiting:
+        bros.on_arrival(r, r.arrival_s)
+    before = req("h-before", BE, client="heavy", input_len=400)
+    bros.on_arrival(before, 0.0)
+    bros.on_admitted(before, 400)  # heavy was served already
+    view = FakeView(now=0.6)
+    out = []
+    for r in bros.order(waiting, view):
+        out.append(r.rid)
+        bros.on_admitted(r, r.input_len)
+    assert out[:2] == ["rt-old", "rt-late"]  # 0.1 s left vs 0.3 s: the older is more urgent
+    assert out[2] == "light"  # heavy was served 400 tokens already
+    assert sorted(out[3:]) == ["h0", "h1"]
+    no_inner = make_policy("bros")
+    assert [r.rid for r in no_inner.order(waiting, view)] == [
+        "rt-old", "rt-late", "h0", "h1", "light"
+    ]  # fmt: skip

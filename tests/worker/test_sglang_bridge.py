@@ -80,6 +80,17 @@ def test_generate_body_names_the_client_as_routing_key():
     assert lp["sampling_params"] == {"max_new_tokens": 4}
 
 
+def test_generate_body_sends_the_class_as_sglang_priority_when_asked():
+    from sgl_fair.request import ServiceClass
+    from sgl_fair.worker.sglang.settings import BE_PRIORITY, RT_PRIORITY
+
+    rt = _req(service_class=ServiceClass.RT, extra={"priority": 5})
+    assert "priority" not in generate_body(_req())  # only class-aware policies ask for it
+    assert generate_body(rt, class_priority=True)["priority"] == RT_PRIORITY  # ours wins
+    assert generate_body(_req(), class_priority=True)["priority"] == BE_PRIORITY
+    assert RT_PRIORITY - BE_PRIORITY > 10  # SGLang's default preemption threshold
+
+
 def test_sse_parser_takes_events_split_anywhere():
     events = [{"output_ids": list(range(i)), "meta_info": {"x": "a\nb"}} for i in range(5)]
     raw = (

@@ -47,8 +47,9 @@ from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.mem_cache.common import match_kv_cache
 
 from sgl_fair.policies.base import Policy, Rejection
-from sgl_fair.request import DEFAULT_CLIENT, Phase, Request
+from sgl_fair.request import DEFAULT_CLIENT, Phase, Request, ServiceClass
 from sgl_fair.worker.sglang import shadow as shadow_mod
+from sgl_fair.worker.sglang.settings import RT_PRIORITY
 
 log = logging.getLogger("sgl_fair.sglang")
 
@@ -81,7 +82,15 @@ def mirror_of(req: Req, now: float) -> Request:
         max_new_tokens=max_new,
         arrival_s=now,
         return_logprob=bool(req.return_logprob),
+        service_class=class_of(req),
     )
+
+
+def class_of(req: Req) -> ServiceClass:
+    """RT if SGLang's ``priority`` is at least ``RT_PRIORITY`` (what our bridge sends for RT
+    requests; SGLang's default direction, higher first), else BE (the default class)."""
+    priority = getattr(req, "priority", None)
+    return ServiceClass.RT if priority is not None and priority >= RT_PRIORITY else ServiceClass.BE
 
 
 class Ledger:

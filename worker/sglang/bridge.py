@@ -85,6 +85,9 @@ class BridgeConfig:
     abort_grace_s: float = 1.0  # after /abort_request, wait this long before hanging up
     log_level: str = "warning"
     server_pid: int | None = None  # exit when this process is gone
+    # Send each request's RT/BE class as SGLang's `priority` (settings.RT_PRIORITY / BE_PRIORITY):
+    # for a class-aware plugin policy (BROS) on a server with --enable-priority-scheduling.
+    class_priority: bool = False
 
 
 # ---- the process -----------------------------------------------------------------------------
@@ -307,7 +310,8 @@ class Bridge:
 
     async def _stream(self, job: Job) -> Outcome:
         req = job.req
-        async with self.http.post(self.url + "/generate", json=generate_body(req)) as resp:
+        body = generate_body(req, class_priority=self.cfg.class_priority)
+        async with self.http.post(self.url + "/generate", json=body) as resp:
             if resp.status != 200:
                 body = await resp.text(errors="replace")
                 retry = retry_after_header(resp.headers.get("Retry-After"))

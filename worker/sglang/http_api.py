@@ -24,7 +24,8 @@ import aiohttp
 import msgspec
 
 from sgl_fair.messages import FinishReason
-from sgl_fair.request import Request
+from sgl_fair.request import Request, ServiceClass
+from sgl_fair.worker.sglang.settings import BE_PRIORITY, RT_PRIORITY
 
 # A 429 inside a stream carries no Retry-After header: when to retry, then.
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -98,11 +99,12 @@ async def probe_server(
 # ---- one request -----------------------------------------------------------------------------
 
 
-def generate_body(req: Request) -> dict[str, Any]:
+def generate_body(req: Request, *, class_priority: bool = False) -> dict[str, Any]:
     """The streaming ``/generate`` body for ``req`` (SGLang's native API). The client's
     pass-through fields (``req.extra``: LoRA, custom logit processors, images, ...) and
     sampling keys (``req.sampling``: constrained decoding, ...) go in untouched; the keys
-    the bridge itself sets (prompt, streaming, rid, logprobs) win."""
+    the bridge itself sets (prompt, streaming, rid, logprobs; ``class_priority``: the
+    request's RT/BE class as SGLang's ``priority``) win."""
     sampling = dict(req.sampling or {})
     sampling["max_new_tokens"] = req.max_new_tokens
     body: dict[str, Any] = {
@@ -112,6 +114,9 @@ def generate_body(req: Request) -> dict[str, Any]:
         "rid": req.rid,
         "routing_key": req.client,
     }
+    if class_priority:
+        rt = req.service_class is ServiceClass.RT
+        body["priority"] = RT_PRIORITY if rt else BE_PRIORITY
     if req.return_logprob:
         body["return_logprob"] = True
         body["logprob_start_len"] = req.logprob_start_len

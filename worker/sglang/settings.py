@@ -38,9 +38,24 @@ class PluginSettings:
         return make_policy(self.policy, **self.opts)
 
 
+# RT / BE as SGLang's integer ``priority`` (its default direction: higher runs first). The gap
+# exceeds SGLang's --priority-scheduling-preemption-threshold default (10), so with
+# --enable-priority-scheduling a waiting RT request may preempt running BE ones.
+RT_PRIORITY = 100
+BE_PRIORITY = 0
+
+
+def uses_classes(cls: type) -> bool:
+    """A policy that orders by RT/BE class inside SGLang (BROS): its servers run SGLang's
+    priority scheduling and its bridges send each request's class as ``priority``."""
+    return getattr(cls, "admission_order", False)
+
+
 def batch_selecting(cls: type) -> bool:
-    """A policy that selects whole batches (seam #1b: BROS, RR), which the plugin cannot host."""
-    return hasattr(cls, "select_batch")
+    """A policy that only selects whole batches (seam #1b: RR), which the plugin cannot host.
+    One that also has an admission order for such hosts (``admission_order``: BROS) runs
+    inside SGLang with that order; SGLang decodes every running request itself."""
+    return hasattr(cls, "select_batch") and not getattr(cls, "admission_order", False)
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSettings | None:
