@@ -508,3 +508,32 @@ def test_a_dead_server_is_routed_around(tmp_path):
         if victim.poll() is None:
             victim.kill()
         victim.wait(10)
+
+
+@pytest.mark.slow
+def test_bros_sends_the_class_as_sglang_priority_end_to_end(tmp_path):
+    """``--schedule-policy bros`` over ``--worker-url``: the bridge sends each request's class
+    as SGLang's ``priority`` (RT 100, BE 0, in place of the client's own value), and a server
+    that maps ``priority >= 100`` to RT (the stand-in with ``--rt-priority-threshold 100``;
+    our plugin inside SGLang does the same) serves RT and BE as such."""
+    with (
+        standin(tmp_path, "--schedule-policy", "bros", "--rt-priority-threshold", "100") as (
+            sin,
+            kv,
+        ),
+        RecordingProxy(sin.url) as proxy,
+        launched(
+            "--worker-url", proxy.url, "--worker-kv-endpoint", kv, "--schedule-policy", "bros",
+            tmp_path=tmp_path,
+        ) as outer,
+    ):  # fmt: skip
+        body = {"input_ids": [21, 22, 23], "sampling_params": {"max_new_tokens": 4}}
+        for rid, extra in (("rt-1", {"priority_class": "rt"}), ("be-1", {"priority": 500})):
+            r = httpx.post(outer.url + "/generate", json={**body, "rid": rid, **extra}, timeout=30)
+            assert r.status_code == 200, r.text
+        sent = {b["rid"]: b.get("priority") for b in proxy.bodies("/generate")}
+        assert sent == {"rt-1": 100, "be-1": 0}  # the class, not the client's 500
+        text = httpx.get(sin.url + "/metrics", timeout=10).text
+        name = "sgl_fair_requests_by_class_total"
+        assert metric(text, name, priority_class="rt") == 1
+        assert metric(text, name, priority_class="be") == 1
