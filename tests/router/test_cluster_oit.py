@@ -141,17 +141,20 @@ def test_stale_or_missing_load_never_throttles():
     assert o.overloaded(view, 2.0)
     assert not o.overloaded(view, 2.5)  # every report older than stale_after_s (2 s)
     assert o.on_arrival(req(t=10.0), 10.0, view) is None
-    # one fresh report, three missing: the missing count as idle workers
+    # one fresh report, three missing: the missing count as idle workers (the mean rule); the
+    # one that reported is overloaded itself (the default rule: any one worker)
     view = View()
     view.report(0, 10.0, kv=1.0)
     assert o.cluster_load(view, 10.0).kv_usage == pytest.approx(0.25)
-    assert not o.overloaded(view, 10.0)
+    assert o.overloaded(view, 10.0)
+    mean = ClusterOIT(max_waiting=0, overload="mean")
+    assert not mean.overloaded(view, 10.0)
     # no workers alive
     assert not o.overloaded(View(n=0), 0.0)
 
 
 def test_overload_rule_mean_kv_or_waiting_per_worker():
-    o = ClusterOIT(max_waiting=2, kv_threshold=0.8)
+    o = ClusterOIT(max_waiting=2, kv_threshold=0.8, overload="mean")
     view = View()
     view.all(0.0, kv=0.79)
     assert not o.overloaded(view, 0.0)
@@ -161,6 +164,26 @@ def test_overload_rule_mean_kv_or_waiting_per_worker():
     assert not o.overloaded(view, 0.0)
     view.report(3, 0.0, waiting=3)
     assert o.overloaded(view, 0.0)
+
+
+def test_overload_rule_any_one_worker_by_the_worker_rule():
+    """``overload="any"``: one hot worker (its own queue over max_waiting, or its KV at the
+    threshold) overloads the cluster while the others idle, where the mean rule does not;
+    stale reports still count as idle."""
+    mean, any_ = (ClusterOIT(max_waiting=2, kv_threshold=0.8, overload=r) for r in ("mean", "any"))
+    view = View()
+    view.all(0.0)
+    view.report(1, 0.0, waiting=3)  # 3 waiting on one worker: over its bound of 2
+    assert any_.overloaded(view, 0.0) and not mean.overloaded(view, 0.0)
+    view.all(0.0, waiting=2)
+    view.report(2, 0.0, kv=0.8)
+    assert any_.overloaded(view, 0.0) and not mean.overloaded(view, 0.0)
+    view.report(2, 0.0, kv=0.79)
+    assert not any_.overloaded(view, 0.0)
+    view.report(2, 0.0, kv=1.0)
+    assert not any_.overloaded(view, 10.0)  # every report is stale by then
+    load = any_.cluster_load(view, 0.0)
+    assert (load.max_waiting, load.max_kv_usage, load.num_waiting) == (2, 1.0, 6)
 
 
 def test_same_decisions_as_the_worker_oit_on_one_worker():
@@ -229,7 +252,7 @@ def test_finished_through_the_router_refreshes_the_interaction():
     "opts",
     [{"kv_threshold": 0}, {"kv_threshold": 1.5}, {"max_waiting": -1}, {"stale_after_s": 0},
      {"interaction_timeout_s": -1}, {"bogus": 1}, {"limits": {"window_s": 0}},
-     {"limits": {"nope": 1}}, {"limits": 5}],
+     {"limits": {"nope": 1}}, {"limits": 5}, {"overload": "max"}],
 )  # fmt: skip
 def test_bad_options_are_one_line_errors(opts):
     with pytest.raises(ValueError, match="cluster OIT"):
