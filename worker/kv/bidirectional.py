@@ -47,6 +47,7 @@ from sgl_fair.worker.engine import KVCopy
 from sgl_fair.worker.kv.base import CACHE, OutOfMemory
 from sgl_fair.worker.kv.paged import DEFAULT_BLOCK_SIZE, BlockLayout, PagedConfig, Piece, bump
 from sgl_fair.worker.kv.registry import register_allocator
+from sgl_fair.worker.kv.rt_room import RTRoom
 
 RT, BE = "rt", "be"
 LEFT, RIGHT = 0, 1  # a block's sides, and the direction bit the kernel reads each with
@@ -114,8 +115,7 @@ class BidirectionalAllocator:
         self._ckpt: dict[Hashable, int] = {}
         self._class: dict[Hashable, str] = {}
         self.pinned: set[Hashable] = set()  # BE owners RT must not overwrite now (``pin``)
-        self._pin_version = 0
-        self._rt_room: tuple[tuple[int, int, int], int] | None = None  # num_free_tokens_for
+        self._rt_room = RTRoom(self.layout, self._pinned)  # num_free_tokens_for(RT)
         self._copies: list[KVCopy] | None = None  # the copy journal; None: not recording
 
     def record_copies(self) -> None:
@@ -151,38 +151,26 @@ class BidirectionalAllocator:
         BE: every empty slot (``num_free_tokens``). RT: what a new RT run can reach — free
         blocks, and blocks without a left run up to their pinned CACHE slots, their BE slots
         counted while a host block is left to checkpoint them (or they already have one).
-        Room left inside another RT request's block is that request's, as in ``paged``."""
-        size = self.block_size
+        Room left inside another RT request's block is that request's, as in ``paged``.
+        Kept per block (``rt_room.RTRoom``)."""
         if self._checked_class(None, request_class) == BE:
             return self.layout.num_empty
-        key = (self.layout.version, len(self._free_host), self._pin_version)
-        if self._rt_room is not None and self._rt_room[0] == key:
-            return self._rt_room[1]  # nothing it reads has changed since
-        room, host_left = len(self.layout.free_blocks) * size, len(self._free_host)
-        for left, right in self.layout.sides:
-            if left or not right:
-                continue
-            pinned = max((p.end for p in right if self._pinned(p.owner)), default=0)
-            be = [p for p in right if p.end > pinned]
-            if any(p.ckpt is None for p in be):
-                if not host_left:
-                    room += size - max(p.end for p in right)
-                    continue
-                host_left -= 1
-            room += size - pinned
-        self._rt_room = (key, room)
-        return room
+        return self._rt_room.value(len(self._free_host))
 
     def pin(self, owner: Hashable) -> None:
         """Keep RT from overwriting ``owner``'s slots until ``unpin_all`` (a scheduler pins
         the requests it prefills in a step: overwriting them would undo the step's work)."""
         self.pinned.add(owner)
-        self._pin_version += 1
+        self._touch(owner)
 
     def unpin_all(self) -> None:
-        if self.pinned:
-            self.pinned.clear()
-            self._pin_version += 1
+        for owner in self.pinned:
+            self._touch(owner)
+        self.pinned.clear()
+
+    def _touch(self, owner: Hashable) -> None:
+        """The RT room of ``owner``'s blocks changed (``BlockLayout.touched``)."""
+        self.layout.touched.update(p.block for p in self.layout.pieces(owner))
 
     def _pinned(self, owner: Hashable) -> bool:
         return owner is CACHE or owner in self.pinned
@@ -416,23 +404,19 @@ class BidirectionalAllocator:
                     host_left -= used
                 if not need:
                     return grants
-        # Preempt: blocks without a left run, the most empty slots first (a heap: usually the
-        # first one or two do).
+        # Preempt: blocks without a left run, the most empty slots first (usually the first
+        # one or two do): the layout's kept order, or a heap of the what-if layout.
         if skip:
             blocks = [
                 (layout.end(b, RIGHT, skip), b)
                 for b, (_, right) in enumerate(layout.sides)
                 if right and b not in taken and not layout.end(b, LEFT, skip)
             ]
-        else:
-            blocks = [
-                (max(p.end for p in right), b)
-                for b, (left, right) in enumerate(layout.sides)
-                if right and not left and b not in taken
-            ]
-        heapq.heapify(blocks)
-        while blocks:
-            _, block = heapq.heappop(blocks)
+            heapq.heapify(blocks)
+            ordered = (heapq.heappop(blocks)[1] for _ in range(len(blocks)))
+        else:  # ends of 0 are free blocks: none left, or free_ids above took them
+            ordered = (b for end, b in layout.emptiest(LEFT) if end and b not in taken)
+        for block in ordered:
             got, used = self._reach(block, 0, need, host_left, skip)
             if got:
                 grants.append((block, got))
@@ -506,6 +490,7 @@ class BidirectionalAllocator:
             segs = self.layout.segs[piece.owner]
             segs.insert(next(i for i, s in enumerate(segs) if s is piece) + 1, host)
             piece.ckpt = host
+            self.layout.touched.add(piece.block)
         if self._copies is not None:  # its k innermost slots, mirrored in the host block
             slot = self.block_size - piece.end
             self._copies.append(
@@ -521,15 +506,13 @@ class BidirectionalAllocator:
         heapq.heappush(self._free_host, host.host_block)
         if host.piece is not None:
             host.piece.ckpt = None
+            self.layout.touched.add(host.piece.block)
 
     def check_invariants(self) -> None:
         size, layout, host_blocks = self.block_size, self.layout, set()
         layout.check()
-        if self._rt_room is not None:  # a cached answer must be today's
-            cached, self._rt_room = self._rt_room, None
-            key = (layout.version, len(self._free_host), self._pin_version)
-            fresh = self.num_free_tokens_for(RT)
-            assert cached[0] != key or cached[1] == fresh, "stale RT room"
+        host_left = len(self._free_host)
+        assert self._rt_room.value(host_left) == self._rt_room.scan(host_left), "stale RT room"
         for owner, segs in layout.segs.items():
             ckpt = 0
             for i, host in enumerate(segs):

@@ -35,6 +35,7 @@ tokens empties no whole block it can promise what this allocator then refuses (O
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -97,8 +98,15 @@ class BlockLayout:
         self.segs: dict[Hashable, list] = {}
         self.held: dict[Hashable, int] = {}
         self.num_empty = self.num_blocks * block_size
-        self.version = 0  # bumped by every change to a piece: what ``fresh`` caches against
-        self._fresh_cache: tuple[tuple[int, int], list[tuple[int, int]]] | None = None
+        # Blocks whose pieces changed, for a consumer that keeps per-block state (the
+        # bidirectional allocator's RT room drains it); at most every block id.
+        self.touched: set[int] = set()
+        # ``fresh``'s order per side, kept per block: (other side's end, block) for each block
+        # whose side is empty, sorted; synced from the blocks touched since (``_order_sync``).
+        every = list(range(self.num_blocks))
+        self._order: tuple[list, list] = ([(0, b) for b in every], [(0, b) for b in every])
+        self._order_at: tuple[dict, dict] = (dict.fromkeys(every, 0), dict.fromkeys(every, 0))
+        self._order_touched: set[int] = set()
 
     @property
     def capacity_tokens(self) -> int:
@@ -177,15 +185,8 @@ class BlockLayout:
                     for b in range(self.num_blocks)
                     if b not in used and not self.end(b, side, skip)
                 )
-            else:  # the same layout asks again (a restore per checkpoint): sort it once
-                key = (self.version, side)
-                if self._fresh_cache is None or self._fresh_cache[0] != key:
-                    self._fresh_cache = (key, sorted(
-                        (max(p.end for p in sides[1 - side]) if sides[1 - side] else 0, b)
-                        for b, sides in enumerate(self.sides)
-                        if not sides[side]
-                    ))  # fmt: skip
-                others = self._fresh_cache[1]
+            else:
+                others = self.emptiest(side)
             for other, b in others:
                 if other >= size or left <= 0:
                     break  # the rest are full too, or the need is met
@@ -199,6 +200,32 @@ class BlockLayout:
                 out.append((block, min(need, room)))
                 need -= out[-1][1]
         return None if need else out
+
+    def _touch(self, block: int) -> None:
+        self.touched.add(block)
+        self._order_touched.add(block)
+
+    def emptiest(self, side: int) -> list[tuple[int, int]]:
+        """(other side's end, block) for every block whose ``side`` is empty, most empty
+        slots first (free blocks first, lowest id first). Kept sorted: asked per allocation,
+        only the blocks touched since are re-placed. Read it, never change it."""
+        self._order_sync()
+        return self._order[side]
+
+    def _order_sync(self) -> None:
+        for b in self._order_touched:
+            sides = self.sides[b]
+            for side in (0, 1):
+                at, order = self._order_at[side], self._order[side]
+                old = at.pop(b, None)
+                if old is not None:
+                    del order[bisect_left(order, (old, b))]
+                if not sides[side]:
+                    other = sides[1 - side]
+                    end = max(p.end for p in other) if other else 0
+                    at[b] = end
+                    insort(order, (end, b))
+        self._order_touched.clear()
 
     def new_piece(self, owner: Hashable, block: int, side: int, k: int) -> Piece:
         """A piece of ``k`` slots after ``block``'s run on ``side``; the caller files it."""
@@ -219,7 +246,7 @@ class BlockLayout:
         return piece
 
     def extend(self, piece: Piece, k: int) -> None:
-        self.version += 1
+        self._touch(piece.block)
         piece.length += k
         bump(self.held, piece.owner, k)
         self.num_empty -= k
@@ -309,7 +336,7 @@ class BlockLayout:
             segs = self.segs[piece.owner]
             segs.insert(next(i for i, s in enumerate(segs) if s is piece) + 1, inner)
             self.sides[piece.block][piece.side].append(inner)
-            self.version += 1
+            self._touch(piece.block)
             piece.length = a - piece.start
             bump(self.held, piece.owner, a - b)
             self.num_empty += b - a
@@ -317,7 +344,6 @@ class BlockLayout:
     def hand_over(self, src: Hashable, dst: Hashable, n: int) -> None:
         """Re-label ``src``'s first ``n`` tokens (all in leading pieces) as ``dst``'s, in place."""
         segs, dst_segs = self.segs[src], self.segs.setdefault(dst, [])
-        self.version += 1
         rest = n
         while rest:
             piece = segs[0]
@@ -330,6 +356,7 @@ class BlockLayout:
                 piece.length -= rest
                 self.sides[piece.block][piece.side].append(moved)
             rest -= moved.length
+            self._touch(moved.block)
             last = dst_segs[-1] if dst_segs else None
             where = (moved.block, moved.side, moved.start)
             if isinstance(last, Piece) and (last.block, last.side, last.end) == where:
@@ -344,13 +371,13 @@ class BlockLayout:
 
     def check(self) -> None:
         """No slot owned twice; lists, counters and the free set agree; runs never overlap;
-        a current ``fresh`` cache is what a rescan gives."""
-        if self._fresh_cache is not None and self._fresh_cache[0][0] == self.version:
-            side = self._fresh_cache[0][1]
-            sides = self.sides
+        ``fresh``'s kept order is what a rescan gives."""
+        self._order_sync()
+        sides = self.sides
+        for side in (0, 1):
             ids = [b for b in range(len(sides)) if not sides[b][side]]
             again = sorted((self.end(b, 1 - side), b) for b in ids)
-            assert self._fresh_cache[1] == again, "stale fresh() cache"
+            assert self._order[side] == again, f"stale fresh() order, side {side}"
         size, claimed = self.block_size, set()
         for owner, segs in self.segs.items():
             assert segs and all(s.owner == owner and s.length > 0 for s in segs), owner
