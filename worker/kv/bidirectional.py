@@ -45,7 +45,8 @@ from typing import NamedTuple
 
 from sgl_fair.worker.engine import KVCopy
 from sgl_fair.worker.kv.base import CACHE, OutOfMemory
-from sgl_fair.worker.kv.paged import DEFAULT_BLOCK_SIZE, BlockLayout, PagedConfig, Piece, bump
+from sgl_fair.worker.kv.layout import BlockLayout, Piece, bump
+from sgl_fair.worker.kv.paged import DEFAULT_BLOCK_SIZE, PagedConfig
 from sgl_fair.worker.kv.registry import register_allocator
 from sgl_fair.worker.kv.rt_room import RTRoom
 
