@@ -47,12 +47,10 @@ from sgl_fair.worker.engine import KVCopy
 from sgl_fair.worker.kv.base import CACHE, OutOfMemory
 from sgl_fair.worker.kv.layout import BlockLayout, Piece, bump
 from sgl_fair.worker.kv.paged import DEFAULT_BLOCK_SIZE, PagedConfig
+from sgl_fair.worker.kv.placement import BE, LEFT, RIGHT, RT, SIDE
+from sgl_fair.worker.kv.placement import plan as placement_plan
 from sgl_fair.worker.kv.registry import register_allocator
 from sgl_fair.worker.kv.rt_room import RTRoom
-
-RT, BE = "rt", "be"
-LEFT, RIGHT = 0, 1  # a block's sides, and the direction bit the kernel reads each with
-_SIDE = {RT: LEFT, BE: RIGHT}
 
 
 @dataclass(frozen=True)
@@ -238,11 +236,11 @@ class BidirectionalAllocator:
         self, owner: Hashable, num_tokens: int, *, request_class: str | None = None
     ) -> bool:
         cls = self._checked_class(owner, request_class)
-        cur = self.layout.growable(owner, _SIDE[cls])
+        cur = self.layout.growable(owner, SIDE[cls])
         room = 0 if cur is None else self.layout.room(cur)
         if 0 <= num_tokens <= room + len(self.layout.free_blocks) * self.block_size:
             return not (num_tokens and cls == BE and self.checkpointed_slots(owner))
-        return self._plan(owner, cls, num_tokens) is not None
+        return placement_plan(self, owner, cls, num_tokens) is not None
 
     def can_allocate_after_free(
         self,
@@ -262,7 +260,7 @@ class BidirectionalAllocator:
         cls = self._checked_class(owner, request_class)
         if num_tokens and cls == BE and self.checkpointed_slots(owner):
             return False
-        cur = self.layout.growable(owner, _SIDE[cls])
+        cur = self.layout.growable(owner, SIDE[cls])
         room = 0 if cur is None else self.layout.room(cur)
         num_free = len(self.layout.free_blocks) + self.layout.blocks_freed_by(freed, k, slots)
         return 0 <= num_tokens <= room + num_free * self.block_size
@@ -271,13 +269,13 @@ class BidirectionalAllocator:
         self, owner: Hashable, num_tokens: int, *, request_class: str | None = None
     ) -> None:
         cls = self._checked_class(owner, request_class)
-        plan = self._plan(owner, cls, num_tokens)
+        plan = placement_plan(self, owner, cls, num_tokens)
         if plan is None:
             raise OutOfMemory(f"no room for {num_tokens} {cls} tokens of {owner!r}")
         if request_class is not None:
             self._class[owner] = cls
         for block, k in plan:
-            piece = self.layout.grow(owner, _SIDE[cls], block, k)
+            piece = self.layout.grow(owner, SIDE[cls], block, k)
             if cls == RT:
                 self._overwrite(block, piece.end)
 
@@ -366,85 +364,9 @@ class BidirectionalAllocator:
         order = sorted((o for o in others if self.class_of(o) == BE), key=key)
         order += sorted((o for o in others if self.class_of(o) == RT), key=key)
         for i in range(len(order) + 1):
-            if self._plan(owner, cls, num_tokens, frozenset(order[:i])) is not None:
+            if placement_plan(self, owner, cls, num_tokens, frozenset(order[:i])) is not None:
                 return order[:i]
         return None
-
-    # ------------------------------------------------------------ planning (no side effects)
-
-    def _plan(self, owner: Hashable, cls: str, need: int, skip: frozenset = frozenset()):
-        """Grants for ``need`` more tokens of ``owner``, as if ``skip`` were dropped; or None."""
-        if need <= 0 or (cls == BE and self.checkpointed_slots(owner)):
-            return [] if need == 0 else None  # checkpointed BE: restore before it runs again
-        layout, size, side = self.layout, self.block_size, _SIDE[cls]
-        grants: list[tuple[int, int]] = []  # (block, slots), in placement order
-        cur = layout.growable(owner, side, skip)
-        if cur is not None and (k := min(need, layout.room(cur, skip))):
-            grants.append((cur.block, k))
-            need -= k
-        if side == RIGHT:
-            fresh = layout.fresh(RIGHT, need, skip)
-            return None if fresh is None else grants + fresh
-        free_ids = layout.free_ids(-(-need // size), skip)
-        for block in free_ids:
-            grants.append((block, min(need, size)))
-            need -= grants[-1][1]
-        if not need:
-            return grants
-        host_left = len(self._free_host)
-        host_left += sum(isinstance(s, _Host) for o in skip for s in layout.segs.get(o, ()))
-        taken = set(free_ids)
-        if cur is not None:
-            taken.add(cur.block)
-            if not free_ids:  # still its last block: grow into the BE slots there first
-                pos = size - layout.end(cur.block, RIGHT, skip)  # its run meets BE's
-                got, used = self._reach(cur.block, pos, need, host_left, skip)
-                if got:
-                    grants.append((cur.block, got))
-                    need -= got
-                    host_left -= used
-                if not need:
-                    return grants
-        # Preempt: blocks without a left run, the most empty slots first (usually the first
-        # one or two do): the layout's kept order, or a heap of the what-if layout.
-        if skip:
-            blocks = [
-                (layout.end(b, RIGHT, skip), b)
-                for b, (_, right) in enumerate(layout.sides)
-                if right and b not in taken and not layout.end(b, LEFT, skip)
-            ]
-            heapq.heapify(blocks)
-            ordered = (heapq.heappop(blocks)[1] for _ in range(len(blocks)))
-        else:  # ends of 0 are free blocks: none left, or free_ids above took them
-            ordered = (b for end, b in layout.emptiest(LEFT) if end and b not in taken)
-        for block in ordered:
-            got, used = self._reach(block, 0, need, host_left, skip)
-            if got:
-                grants.append((block, got))
-                need -= got
-                host_left -= used
-            if not need:
-                return grants
-        return None
-
-    def _reach(self, block: int, pos: int, need: int, host_left: int, skip: frozenset):
-        """Slots (<= need) an RT run ending at slot ``pos`` can take in ``block``, overwriting
-        BE slots innermost first while host blocks last -> (slots, new host blocks used)."""
-        size, got, used = self.block_size, 0, 0
-        right = [p for p in self.layout.sides[block][RIGHT] if p.owner not in skip]
-        for piece in sorted(right, key=lambda p: -p.end):  # innermost (newest) first
-            gap = size - piece.end - pos
-            if need - got <= gap:
-                return need, used
-            got += gap
-            if self._pinned(piece.owner) or (piece.ckpt is None and used == host_left):
-                return got, used  # pinned, or nowhere to checkpoint it
-            used += piece.ckpt is None
-            if need - got <= piece.length:
-                return need, used
-            got += piece.length
-            pos = size - piece.start
-        return min(need, got + size - pos), used
 
     def _restore_targets(self, owner: Hashable) -> list[tuple[_Host, list, list[CopyOp]]] | None:
         """Each checkpoint, where it goes back (as BE prefill would place it), and the copies.
@@ -469,7 +391,7 @@ class BidirectionalAllocator:
     def _checked_class(self, owner: Hashable, request_class: str | None) -> str:
         if request_class is None:
             return self.class_of(owner)
-        if request_class not in _SIDE:
+        if request_class not in SIDE:
             raise ValueError(f"request class must be 'rt' or 'be' (got {request_class!r})")
         if self.logical_len(owner) and self.class_of(owner) != request_class:
             raise ValueError(f"{owner!r} holds {self.class_of(owner)} tokens; free it first")
