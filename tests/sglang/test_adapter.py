@@ -383,3 +383,31 @@ def test_bros_inside_sglang_admits_urgent_rt_first_then_be_fairly():
     admitted = [r.rid for r in rig.admit()]
     assert admitted[:2] == ["rt-old", "rt-new"]
     assert admitted[2:] == ["h0", "light", "low", "h1"]  # VTC: least served client first
+
+
+def test_a_running_request_queued_again_by_sglangs_preemption_is_retracted():
+    """SGLang's priority preemption (``PrefillAdder.preempt_to_schedule``) puts the running
+    requests it preempts back through ``_add_request_to_queue``, not ``retract_decode``: the
+    ledger counts that as a retraction, so the policy sees the client waiting again and the
+    re-admission charges no prompt twice."""
+    from sgl_fair.request import Phase
+    from sgl_fair.worker.sglang.settings import RT_PRIORITY
+
+    rig = fair_rig("bros", {"inner": "vtc"})
+    s, fair = rig.scheduler, rig.scheduler.policy
+    queue = lambda sch, req, *a, **k: sch.waiting_queue.append(req)  # noqa: E731
+    be = make_req(list(range(100, 160)), "batch", rid="be")
+    plugin._around_add_request(queue, s, be)
+    [admitted] = rig.admit()
+    assert admitted is be and fair.ledger.mirrors["be"].phase is Phase.RUNNING
+    inner = fair.fair.inner
+    charged = inner.counter("batch")
+    s.waiting_queue.clear()
+    rt = make_req(list(range(200, 230)), "chat", rid="rt")
+    rt.priority = RT_PRIORITY
+    plugin._around_add_request(queue, s, rt)
+    plugin._around_add_request(queue, s, be)  # preempted for rt: queued again
+    m = fair.ledger.mirrors["be"]
+    assert m.phase is Phase.WAITING and m.num_retractions == 1
+    assert [r.rid for r in rig.admit()] == ["rt", "be"]  # RT first; then be, charged once
+    assert inner.counter("batch") == charged

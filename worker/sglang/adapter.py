@@ -118,8 +118,13 @@ class Ledger:
         return list(map(self._by_id.get, map(id, reqs)))
 
     def arrived(self, req: Req) -> Rejection | None:
-        """A new request joins the waiting queue; the policy may refuse it."""
-        if self.mirror(req) is not None:
+        """A new request joins the waiting queue; the policy may refuse it. A running one
+        queued again without passing ``retract_decode`` (SGLang's priority preemption puts
+        the running requests it preempts back through ``_add_request_to_queue``) is retracted."""
+        m = self.mirror(req)
+        if m is not None:
+            if m.phase is Phase.RUNNING:
+                self.retracted(req)
             return None
         now = self.clock()
         m = mirror_of(req, now)
