@@ -41,6 +41,10 @@ class ServiceClass(str, enum.Enum):
 # Default SLOs from the BROS paper (per request overridable).
 DEFAULT_TTFT_SLO_S = 0.4
 DEFAULT_TPOT_SLO_S = 0.2
+# Where a request's [ttft_slo_s, tpot_slo_s] ride to an SGLang server: a key of SGLang's
+# per-request `sampling_params.custom_params` (carried to its scheduler; SGLang keeps its own
+# per-request keys there too). Our bridge writes it, our plugin and our server read it.
+SLO_PARAM = "sgl_fair_slo_s"
 
 _seq = itertools.count()
 

@@ -11,9 +11,11 @@ ignores them; unknown ``sampling_params`` keys are refused, as SGLang refuses th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_fair.request import SLO_PARAM
 from sgl_fair.router.protocol.errors import ProtocolError
 from sgl_fair.router.protocol.requests_common import (
     _COMMON_SAMPLING,
@@ -41,7 +43,7 @@ from sgl_fair.router.protocol.requests_common import (
     _v_stream_interval,
     sim_refusal,
 )
-from sgl_fair.router.protocol.scheduling import SCHEDULING_FIELDS, parse_hints
+from sgl_fair.router.protocol.scheduling import SCHEDULING_FIELDS, Hints, _slo, parse_hints
 
 
 @dataclass(slots=True)
@@ -70,6 +72,36 @@ _NATIVE_SAMPLING: _Fields = {
     "watermark": _Pass("watermarking (it changes the sampler)", _obj_v),
     "choice": _Pass("constrained decoding (choice)", _str_list_v),
 }
+
+
+def _take_slo(v: Any, path: str) -> tuple[Any, tuple[float, float] | None]:
+    """``sampling_params`` without our SLO key in ``custom_params`` (``SLO_PARAM``: what an
+    sgl-fair bridge in front of this server sends, as it does to SGLang), and the SLOs."""
+    params = v.get("custom_params") if isinstance(v, dict) else None
+    if not isinstance(params, dict) or SLO_PARAM not in params:
+        return v, None
+    where = f"{path}.custom_params.{SLO_PARAM}"
+    value = params[SLO_PARAM]
+    if not isinstance(value, list) or len(value) != 2:
+        raise _bad(where, "[ttft_slo_s, tpot_slo_s]", value)
+    slo = (_slo(value[0], where + "[0]"), _slo(value[1], where + "[1]"))
+    rest = {k: x for k, x in params.items() if k != SLO_PARAM}
+    v = {k: x for k, x in v.items() if k != "custom_params"}
+    if rest:
+        v["custom_params"] = rest
+    return v, slo
+
+
+def _with_slo(hints: Hints | None, slo: tuple[float, float] | None) -> Hints | None:
+    """The body's own ``ttft_slo_s`` / ``tpot_slo_s`` win over ``custom_params``'."""
+    if slo is None:
+        return hints
+    hints = hints or Hints()
+    return dataclasses.replace(
+        hints,
+        ttft_slo_s=slo[0] if hints.ttft_slo_s is None else hints.ttft_slo_s,
+        tpot_slo_s=slo[1] if hints.tpot_slo_s is None else hints.tpot_slo_s,
+    )
 
 
 def _native_sampling(v: Any, path: str, limits: Limits, engine: str) -> SamplingParams:
@@ -343,12 +375,17 @@ def parse_generate(
         )
 
     sp = obj.get("sampling_params")
+    slos: list[tuple[float, float] | None] = [None] * n
     if sp is None:
         samplings = [SamplingParams()] * n
     else:
-        samplings = _per_item(
-            sp, "sampling_params", n, is_batch, lambda v, p: _native_sampling(v, p, limits, engine)
-        )
+
+        def native(v: Any, p: str) -> tuple[SamplingParams, tuple[float, float] | None]:
+            v, slo = _take_slo(v, p)
+            return _native_sampling(v, p, limits, engine), slo
+
+        pairs = _per_item(sp, "sampling_params", n, is_batch, native)
+        samplings, slos = [s for s, _ in pairs], [slo for _, slo in pairs]
     extras = _passthrough(obj, engine, n, is_batch)
 
     def opt(key: str, default: Any, check: Any) -> list[Any]:
@@ -394,7 +431,7 @@ def parse_generate(
             routing_key=routing_key,
             extra=extras[i],
             return_prompt_token_ids=prompt_ids,
-            hints=hints,
+            hints=_with_slo(hints, slos[i]),
         )
         for i in range(n)
     ]

@@ -1023,3 +1023,25 @@ def test_info_endpoints():
     assert srv["port"] == 30000 and srv["context_length"] == 8192
     assert srv["internal_states"] == [{"last_gen_throughput": 1.0}]
     msgspec.json.encode(srv)  # serializable
+
+
+def test_generate_reads_the_slos_an_sgl_fair_bridge_sends_in_custom_params():
+    """A bridge in front of this server sends an RT request's SLOs as SGLang's
+    ``sampling_params.custom_params.sgl_fair_slo_s`` (what our plugin reads inside SGLang):
+    the simulated engine takes them as the request's SLOs (the body's own fields win) instead
+    of refusing ``custom_params``; other custom params are still refused there."""
+    from sgl_fair.request import SLO_PARAM
+
+    body = {"input_ids": [1, 2], "sampling_params": {"custom_params": {SLO_PARAM: [0.25, 0.1]}}}
+    item = parse_generate(j(body)).items[0]
+    assert (item.hints.ttft_slo_s, item.hints.tpot_slo_s) == (0.25, 0.1)
+    assert item.sampling == SamplingParams()  # nothing left to pass on
+    item = parse_generate(j({**body, "ttft_slo_s": 0.3})).items[0]
+    assert (item.hints.ttft_slo_s, item.hints.tpot_slo_s) == (0.3, 0.1)
+    for bad in ([0.25], [0, 0.1], "x", [0.2, "y"]):
+        with pytest.raises(ProtocolError) as e:
+            parse_generate(j({**body, "sampling_params": {"custom_params": {SLO_PARAM: bad}}}))
+        assert e.value.status == 400 and SLO_PARAM in e.value.param
+    mixed = {"custom_params": {SLO_PARAM: [0.25, 0.1], "other": 1}}
+    with pytest.raises(ProtocolError, match="not possible on the simulated engine"):
+        parse_generate(j({**body, "sampling_params": mixed}))

@@ -411,3 +411,37 @@ def test_a_running_request_queued_again_by_sglangs_preemption_is_retracted():
     assert m.phase is Phase.WAITING and m.num_retractions == 1
     assert [r.rid for r in rig.admit()] == ["rt", "be"]  # RT first; then be, charged once
     assert inner.counter("batch") == charged
+
+
+def test_an_rt_requests_slos_come_from_custom_params():
+    """The bridge sends an RT request's SLOs in ``custom_params`` (``SLO_PARAM``): the mirror
+    takes them (a tighter TTFT puts a later request first); absent or malformed, the defaults."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_fair.request import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S, SLO_PARAM
+    from sgl_fair.worker.sglang.adapter import mirror_of
+    from sgl_fair.worker.sglang.settings import RT_PRIORITY
+
+    def rt(rid, slo=None):
+        r = make_req([7, 8, 9], "chat", rid=rid)
+        r.priority = RT_PRIORITY
+        if slo is not None:
+            r.sampling_params = SamplingParams(max_new_tokens=16, custom_params={SLO_PARAM: slo})
+        return r
+
+    m = mirror_of(rt("a", [0.1, 0.05]), 0.0)
+    assert (m.ttft_slo_s, m.tpot_slo_s) == (0.1, 0.05)
+    for bad in (None, [0.1], [0, 0.1], ["x", 0.1], [True, 0.1]):
+        m = mirror_of(rt("c", bad), 0.0)
+        assert (m.ttft_slo_s, m.tpot_slo_s) == (DEFAULT_TTFT_SLO_S, DEFAULT_TPOT_SLO_S), bad
+    rig = fair_rig("bros", {})
+    fair = rig.scheduler.policy
+    clock = [0.0]
+    fair.ledger.clock = lambda: clock[0]
+    for rid, slo, at in (("loose", None, 0.0), ("tight", [0.1, 0.2], 0.2)):
+        clock[0] = at
+        r = rt(rid, slo)
+        fair.ledger.arrived(r)
+        rig.queue(r)
+    clock[0] = 0.25  # loose: 0.15 s left; tight: 0.05 s left
+    assert [r.rid for r in rig.admit()] == ["tight", "loose"]

@@ -81,7 +81,7 @@ def test_generate_body_names_the_client_as_routing_key():
 
 
 def test_generate_body_sends_the_class_as_sglang_priority_when_asked():
-    from sgl_fair.request import ServiceClass
+    from sgl_fair.request import SLO_PARAM, ServiceClass
     from sgl_fair.worker.sglang.settings import BE_PRIORITY, RT_PRIORITY
 
     rt = _req(service_class=ServiceClass.RT, extra={"priority": 5})
@@ -89,6 +89,12 @@ def test_generate_body_sends_the_class_as_sglang_priority_when_asked():
     assert generate_body(rt, class_priority=True)["priority"] == RT_PRIORITY  # ours wins
     assert generate_body(_req(), class_priority=True)["priority"] == BE_PRIORITY
     assert RT_PRIORITY - BE_PRIORITY > 10  # SGLang's default preemption threshold
+    # An RT request's SLOs ride in custom_params, beside the client's own custom params.
+    rt = _req(service_class=ServiceClass.RT, ttft_slo_s=0.3, sampling={"custom_params": {"k": 1}})
+    body = generate_body(rt, class_priority=True)
+    assert body["sampling_params"]["custom_params"] == {"k": 1, SLO_PARAM: [0.3, 0.2]}
+    assert rt.sampling == {"custom_params": {"k": 1}}  # the request's own dict is untouched
+    assert "custom_params" not in generate_body(_req(), class_priority=True)["sampling_params"]
 
 
 def test_sse_parser_takes_events_split_anywhere():
@@ -528,11 +534,16 @@ def test_bros_sends_the_class_as_sglang_priority_end_to_end(tmp_path):
         ) as outer,
     ):  # fmt: skip
         body = {"input_ids": [21, 22, 23], "sampling_params": {"max_new_tokens": 4}}
-        for rid, extra in (("rt-1", {"priority_class": "rt"}), ("be-1", {"priority": 500})):
+        rt = {"priority_class": "rt", "ttft_slo_s": 0.3}
+        for rid, extra in (("rt-1", rt), ("be-1", {"priority": 500})):
             r = httpx.post(outer.url + "/generate", json={**body, "rid": rid, **extra}, timeout=30)
             assert r.status_code == 200, r.text
         sent = {b["rid"]: b.get("priority") for b in proxy.bodies("/generate")}
         assert sent == {"rt-1": 100, "be-1": 0}  # the class, not the client's 500
+        slos = {
+            b["rid"]: b["sampling_params"].get("custom_params") for b in proxy.bodies("/generate")
+        }
+        assert slos == {"rt-1": {"sgl_fair_slo_s": [0.3, 0.2]}, "be-1": None}
         text = httpx.get(sin.url + "/metrics", timeout=10).text
         name = "sgl_fair_requests_by_class_total"
         assert metric(text, name, priority_class="rt") == 1

@@ -36,6 +36,7 @@ code with SGLang's real ``Req``, ``RadixCache`` and ``PrefillAdder`` on a CPU.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,7 +48,7 @@ from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.mem_cache.common import match_kv_cache
 
 from sgl_fair.policies.base import Policy, Rejection
-from sgl_fair.request import DEFAULT_CLIENT, Phase, Request, ServiceClass
+from sgl_fair.request import DEFAULT_CLIENT, SLO_PARAM, Phase, Request, ServiceClass
 from sgl_fair.worker.sglang import shadow as shadow_mod
 from sgl_fair.worker.sglang.settings import RT_PRIORITY
 
@@ -74,7 +75,7 @@ def mirror_of(req: Req, now: float) -> Request:
     """Our ``Request`` for an SGLang ``Req``, as submitted."""
     max_new = req.sampling_params.max_new_tokens
     max_new = max(1, int(max_new)) if max_new is not None else 1
-    return Request(
+    m = Request(
         rid=req.rid,
         client=client_of(req),
         input_ids=tuple(req.origin_input_ids),
@@ -84,6 +85,24 @@ def mirror_of(req: Req, now: float) -> Request:
         return_logprob=bool(req.return_logprob),
         service_class=class_of(req),
     )
+    slos = slos_of(req)
+    if slos is not None:
+        m.ttft_slo_s, m.tpot_slo_s = slos
+    return m
+
+
+def slos_of(req: Req) -> tuple[float, float] | None:
+    """An RT request's (TTFT, TPOT) SLOs, as our bridge sends them (``SLO_PARAM`` in
+    ``custom_params``); None when absent or not two positive finite numbers."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    value = params.get(SLO_PARAM) if isinstance(params, dict) else None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    if not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in value
+    ):
+        return None
+    return float(value[0]), float(value[1])
 
 
 def class_of(req: Req) -> ServiceClass:

@@ -24,7 +24,7 @@ import aiohttp
 import msgspec
 
 from sgl_fair.messages import FinishReason
-from sgl_fair.request import Request, ServiceClass
+from sgl_fair.request import SLO_PARAM, Request, ServiceClass
 from sgl_fair.worker.sglang.settings import BE_PRIORITY, RT_PRIORITY
 
 # A 429 inside a stream carries no Retry-After header: when to retry, then.
@@ -104,7 +104,8 @@ def generate_body(req: Request, *, class_priority: bool = False) -> dict[str, An
     pass-through fields (``req.extra``: LoRA, custom logit processors, images, ...) and
     sampling keys (``req.sampling``: constrained decoding, ...) go in untouched; the keys
     the bridge itself sets (prompt, streaming, rid, logprobs; ``class_priority``: the
-    request's RT/BE class as SGLang's ``priority``) win."""
+    request's RT/BE class as SGLang's ``priority``, and an RT request's SLOs in
+    ``custom_params``) win."""
     sampling = dict(req.sampling or {})
     sampling["max_new_tokens"] = req.max_new_tokens
     body: dict[str, Any] = {
@@ -117,6 +118,10 @@ def generate_body(req: Request, *, class_priority: bool = False) -> dict[str, An
     if class_priority:
         rt = req.service_class is ServiceClass.RT
         body["priority"] = RT_PRIORITY if rt else BE_PRIORITY
+        if rt:
+            params = dict(sampling.get("custom_params") or {})
+            params[SLO_PARAM] = [req.ttft_slo_s, req.tpot_slo_s]
+            sampling["custom_params"] = params
     if req.return_logprob:
         body["return_logprob"] = True
         body["logprob_start_len"] = req.logprob_start_len
