@@ -282,3 +282,24 @@ def test_openai_passthrough_on_sglang_and_refusal_on_sim():
         P.parse_chat(json.dumps(chat).encode(), LIMITS, "sim")
     assert e.value.param in ("lora_path", "response_format")
     assert "not possible on the simulated engine" in e.value.message
+
+
+def test_the_bridges_class_and_slo_fields_are_sglangs_own():
+    """What the bridge sends for ``bros`` (``priority``, ``custom_params`` with our SLO key)
+    is a valid SGLang 0.5.23 request: ``GenerateReqInput`` takes it and ``SamplingParams``
+    verifies it, the SLOs kept where the plugin reads them."""
+    from sglang.srt.sampling.sampling_params import SamplingParams as SglSamplingParams
+
+    from sgl_fair.request import SLO_PARAM, Request, ServiceClass
+    from worker.sglang.http_api import generate_body
+
+    req = Request(
+        rid="r", client="c", input_ids=(1, 2), output_len=3, arrival_s=0.0, max_new_tokens=3,
+        service_class=ServiceClass.RT, ttft_slo_s=0.3,
+    )  # fmt: skip
+    body = generate_body(req, class_priority=True)
+    gen = GenerateReqInput(**body)
+    assert gen.priority == 100 and gen.routing_key == "c"
+    sp = SglSamplingParams(**body["sampling_params"])
+    sp.verify(32000)
+    assert sp.custom_params == {SLO_PARAM: [0.3, 0.2]}
