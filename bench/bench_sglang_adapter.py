@@ -10,7 +10,8 @@ requests left (steady state: SGLang's prefix matches have split the cache's node
 ``plugin-exact`` is the plugin with its shadow cache off (``disable_shadow``): SGLang's own
 ``match_prefix`` per waiting request per pass, as before the shadow (2026-11-25); the bench
 checks that both admit the same requests in the same order. ``--waiting 1000 --cases
-plugin:dlpm,plugin-exact:dlpm`` runs just the comparison.
+plugin:dlpm,plugin-exact:dlpm`` runs just the comparison; ``--cache unified`` runs it on
+SGLang's ``UnifiedRadixCache`` (the server default), which the plugin follows from its KV events.
 
 Arrivals go through the plugin's arrival hook (``plugin._around_add_request``, what the
 installed hook runs around ``Scheduler._add_request_to_queue``), as in a server: SGLang calls
@@ -65,11 +66,11 @@ def _append(scheduler, req, *args, **kwargs) -> None:
 
 
 def two_passes(
-    kind: str, policy: str, n: int, budget: int, hooked: bool = True
+    kind: str, policy: str, n: int, budget: int, hooked: bool = True, cache: str = "radix"
 ) -> tuple[float, float, float, list[list[int]]]:
     docs, reqs = workload(n)
     rig = Rig(policy=policy if kind == "sglang" else "fcfs", kv_tokens=BIG,
-              max_prefill_tokens=budget, chunked_prefill_size=budget)  # fmt: skip
+              max_prefill_tokens=budget, chunked_prefill_size=budget, cache=cache)  # fmt: skip
     if kind != "sglang":
         fair = plugin.install_policy(rig.scheduler, PluginSettings(policy, {}))
         if kind == "plugin-exact":
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="plugin arrivals through its hook, timed apart (a server), or left "
                     "to the first pass (no hook)")  # fmt: skip
     ap.add_argument("--runs", type=int, default=3, help="runs per case (medians reported)")
+    ap.add_argument("--cache", choices=("radix", "unified"), default="radix",
+                    help="SGLang's RadixCache, or its UnifiedRadixCache (0.5.23's server "
+                    "default; Python tree core, KV events on: the event shadow)")  # fmt: skip
     args = ap.parse_args(argv)
     cases = [tuple(c.split(":")) for c in args.cases.split(",")]
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -117,10 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
         orders = {}
         for kind, policy in cases:
             hooked = args.arrivals == "hook"
-            runs = [two_passes(kind, policy, n, 4096, hooked) for _ in range(args.runs)]
+            runs = [two_passes(kind, policy, n, 4096, hooked, args.cache) for _ in range(args.runs)]
             arrival, first, nxt = (statistics.median(r[i] for r in runs) * 1e3 for i in range(3))
             orders[kind, policy] = runs[0][3]
-            rows.append({"waiting": n, "scheduler": kind, "policy": policy,
+            rows.append({"waiting": n, "scheduler": kind, "policy": policy, "cache": args.cache,
                          "arrivals": args.arrivals, "arrival_ms": round(arrival, 1),
                          "first_pass_ms": round(first, 1), "next_pass_ms": round(nxt, 1),
                          "admitted": len(runs[0][3][0])})  # fmt: skip

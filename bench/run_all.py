@@ -48,6 +48,9 @@ def main() -> None:
         "live_cell": bench_live_cell.main([]),
         "flood": bench_flood.main([]),
         "sglang_adapter": bench_sglang_adapter.main(),
+        "sglang_adapter_unified": bench_sglang_adapter.main(
+            ["--waiting", "1000", "--cases", "plugin:dlpm,plugin-exact:dlpm", "--cache", "unified"]
+        ),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from sglang.srt.managers import scheduler as sched_mod
@@ -36,6 +37,21 @@ def publish_server_args() -> None:
             ServerArgs(model_path="dummy", device="cpu", pp_max_micro_batch_size=1 << 20)
         )
         _published = True
+
+
+def unified_cache(alloc: TokenToKVPoolAllocator, *, events: bool = True) -> Any:
+    """SGLang's ``UnifiedRadixCache`` over ``alloc``, with its Python tree core (the Rust one,
+    the default, is not built here; both publish the same KV events)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1,
+        enable_kv_cache_events=events, tree_core_backend="python",
+        tree_components=(ComponentType.FULL,),
+    )  # fmt: skip
+    return UnifiedRadixCache(params)
 
 
 class _BatchBuilt(Exception):
@@ -74,10 +90,14 @@ class Rig:
         max_prefill_tokens: int = 16384,
         max_running_requests: int = 4096,
         policy: str = "fcfs",
+        cache: str = "radix",
     ) -> None:
         publish_server_args()
         self.alloc = TokenToKVPoolAllocator(kv_tokens, torch.float16, "cpu", None, False)
-        self.tree = RadixCache.create_simulated(mock_allocator=self.alloc)
+        if cache == "radix":
+            self.tree = RadixCache.create_simulated(mock_allocator=self.alloc)
+        else:  # "unified": SGLang's default server cache (Python tree core), KV events on
+            self.tree = unified_cache(self.alloc)
         s = Scheduler.__new__(Scheduler)
         s.tree_cache = self.tree
         s.token_to_kv_pool_allocator = self.alloc

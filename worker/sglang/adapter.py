@@ -25,9 +25,11 @@ retractions (``ScheduleBatch.retract_decode``). Each SGLang ``Req`` has a mirror
 ``routing_key`` (never ``extra_key``, which partitions SGLang's prefix cache).
 
 Prefix matches (DLPM, LPM) come from ``shadow.py``: our radix tree following SGLang's cache
-through its KV event recorder, with memoised matches, so a pass over a deep queue re-matches
-only the requests whose tree path changed; SGLang's ``match_prefix`` per request per pass
-(``prefix_len`` below) remains for caches the shadow cannot follow. Both give the same lengths.
+through its KV event recorder (``RadixCache``) or its published KV events
+(``shadow_events.py``: ``UnifiedRadixCache``, the server default), with memoised matches, so
+a pass over a deep queue re-matches only the requests whose tree path changed; SGLang's
+``match_prefix`` per request per pass (``prefix_len`` below) remains for caches and requests
+the shadow cannot follow. Both give the same lengths.
 
 ``plugin.py`` installs the hooks; this module holds what they call, so tests drive the same
 code with SGLang's real ``Req``, ``RadixCache`` and ``PrefillAdder`` on a CPU.
@@ -50,6 +52,7 @@ from sglang.srt.mem_cache.common import match_kv_cache
 from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.request import DEFAULT_CLIENT, SLO_PARAM, Phase, Request, ServiceClass
 from sgl_fair.worker.sglang import shadow as shadow_mod
+from sgl_fair.worker.sglang import shadow_events
 from sgl_fair.worker.sglang.settings import RT_PRIORITY
 
 log = logging.getLogger("sgl_fair.sglang")
@@ -261,7 +264,7 @@ class _View:
     def prefix_len(self, m: Request) -> int:
         req = self._reqs[m.rid]
         shadow = self._shadow
-        if shadow is not None and not shadow.dirty:
+        if shadow is not None and not shadow.dirty and shadow.handles(req):
             return shadow.prefix_len(req, m.input_ids)
         return self._adapter.prefix_len(req)
 
@@ -289,14 +292,21 @@ class FairSchedulePolicy(SchedulePolicy):
         self.num_resyncs = 0
         # Prefix matches for the policy: memoised against a shadow of the cache (shadow.py)
         # where the cache is one it can follow, else SGLang's own match_prefix.
-        self.shadow: shadow_mod.ShadowCache | None = None
+        self.shadow: shadow_mod.ShadowCache | None = None  # or its EventShadow subclass
         self._shadow_on = False
         if shadow:
             why_not = shadow_mod.supported(tree_cache)
+            why_not_events = shadow_events.supported(tree_cache) if why_not else None
             if why_not is None:
                 self.shadow = shadow_mod.ShadowCache(tree_cache)
+            elif why_not_events is None:  # the unified cache: follow its KV events
+                self.shadow = shadow_events.EventShadow(tree_cache)
             else:
-                log.info("sgl-fair: exact prefix matches (no shadow cache): %s", why_not)
+                log.info(
+                    "sgl-fair: exact prefix matches (no shadow cache): %s; %s",
+                    why_not,
+                    why_not_events,
+                )
         _ADAPTERS[id(tree_cache)] = self
 
     def disable_shadow(self) -> None:

@@ -24,10 +24,11 @@ cache's (``evictable_size() + protected_size()``), and no update may have failed
 the shadow is rebuilt from a walk of SGLang's tree and every memo is dropped (``epoch``), so
 a mutation path we did not foresee costs one rebuild, never a stale order.
 
-Only SGLang's plain ``RadixCache`` (exact type) is shadowed, without EAGLE bigram keys and
-not disabled; ``supported`` says why not otherwise, and the adapter keeps the exact
-``match_prefix`` path (SGLang 0.5.23's default server tree, ``UnifiedRadixCache``, has host
-tiers and component layers whose device-prefix semantics this does not model yet).
+Only SGLang's plain ``RadixCache`` (exact type) is shadowed here, without EAGLE bigram keys
+and not disabled; ``supported`` says why not otherwise. SGLang 0.5.23's default server tree,
+``UnifiedRadixCache`` (a Rust or Python tree core, host tiers), is followed from its KV events
+instead (``shadow_events.EventShadow``, which reuses this class's matching); for anything
+else the adapter keeps the exact ``match_prefix`` path.
 """
 
 from __future__ import annotations
@@ -211,6 +212,10 @@ class ShadowCache:
         if len(self._memo) > 2 * len(waiting_queue) + 256:
             live = {r.rid for r in waiting_queue}
             self._memo = {rid: e for rid, e in self._memo.items() if rid in live}
+
+    def handles(self, req: Any) -> bool:
+        """Whether ``prefix_len`` answers for ``req`` (every request: namespaces are kept)."""
+        return True
 
     def prefix_len(self, req: Any, input_ids: tuple) -> int:
         """``match_kv_cache(req, cache, origin_input_ids + output_ids)``'s ``prefix_len``,

@@ -1,0 +1,133 @@
+"""The event shadow (``worker/sglang/shadow_events.py``) on SGLang 0.5.23's real
+``UnifiedRadixCache`` (its Python tree core; the Rust one publishes the same events).
+
+Random inserts and evictions go through the real cache; after each round the shadow's prefix
+lengths for a set of requests must equal SGLang's own ``match_kv_cache`` (the exact path the
+adapter would use otherwise), and SGLang's publisher must still receive every event, in
+order, as if no shadow were there.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+import torch
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.common import match_kv_cache
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang_rig import make_req, publish_server_args
+from sglang_rig import unified_cache as rig_unified_cache
+
+from sgl_fair.worker.sglang import shadow_events
+from sgl_fair.worker.sglang.shadow_events import EventShadow
+
+
+def unified_cache(kv_tokens: int = 50_000, *, events: bool = True) -> UnifiedRadixCache:
+    publish_server_args()
+    alloc = TokenToKVPoolAllocator(kv_tokens, torch.float16, "cpu", None, False)
+    return rig_unified_cache(alloc, events=events)
+
+
+def insert(cache: UnifiedRadixCache, ids: list[int]) -> None:
+    alloc = cache.token_to_kv_pool_allocator
+    key = RadixKey(token_ids=array("q", ids))
+    result = cache.insert(InsertParams(key=key, value=alloc.alloc(len(ids))))
+    assert result is not None
+
+
+def test_supported_needs_events():
+    assert shadow_events.supported(unified_cache()) is None
+    assert "KV events are off" in shadow_events.supported(unified_cache(events=False))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prefix_lengths_match_sglangs_and_the_publisher_sees_every_event(seed):
+    rng = random.Random(seed)
+    cache = unified_cache(kv_tokens=2_000)
+    recorded = []  # every event the cache handed out, in order
+    take = cache.take_events
+
+    def spy() -> list:
+        out = take()
+        recorded.extend(out)
+        return out
+
+    cache.take_events = spy
+    shadow = EventShadow(cache)
+    docs = [[rng.randrange(1000, 30000) for _ in range(rng.randint(20, 200))] for _ in range(6)]
+    reqs = []
+    for i in range(40):
+        doc = rng.choice(docs)
+        tail = [rng.randrange(30000, 32000) for _ in range(rng.randint(1, 30))]
+        reqs.append(make_req(doc[: rng.randint(5, len(doc))] + tail, "c", rid=f"q{i}"))
+    published, checked = [], 0
+    for _ in range(15):
+        for _ in range(rng.randint(1, 4)):
+            doc = rng.choice(docs)
+            ids = doc[: rng.randint(3, len(doc))] + [rng.randrange(40000, 41000)]
+            if cache.token_to_kv_pool_allocator.available_size() < len(ids):
+                cache.evict(EvictParams(num_tokens=len(ids)))
+            insert(cache, ids)
+        if rng.random() < 0.5:
+            cache.evict(EvictParams(num_tokens=rng.randint(1, 300)))
+        shadow.begin_pass(reqs)
+        assert not shadow.dirty
+        for r in reqs:
+            got = shadow.prefix_len(r, tuple(r.origin_input_ids))
+            match_kv_cache(r, cache, r.origin_input_ids + r.output_ids)  # SGLang's own
+            assert got == int(r.prefix_len), r.rid
+            checked += got > 0
+        if rng.random() < 0.5:  # SGLang's publisher drains now and then
+            published += cache.take_events()
+    published += cache.take_events()
+    assert published == recorded and any(type(e).__name__ == "BlockRemoved" for e in published)
+    assert checked > 0 and shadow.num_rebuilds == 0
+
+
+def test_a_namespaced_request_is_left_to_sglang():
+    shadow = EventShadow(unified_cache())
+    r = make_req([1, 2, 3], "c")
+    assert shadow.handles(r)
+    r.extra_key = "tenant-a"
+    assert not shadow.handles(r)
+
+
+@pytest.mark.usefixtures("plugin_hooks")
+@pytest.mark.parametrize("policy", ["dlpm", "lpm"])
+def test_admission_on_the_unified_cache_matches_the_pure_policy(policy):
+    """SGLang's own admission loop over a ``UnifiedRadixCache``: the adapter follows it with
+    the event shadow (no ``match_prefix`` per request per pass) and admits in exactly the
+    pure policy's order, also above 128 waiting."""
+    from test_adapter import POLICIES, reference_order, setup_pair
+
+    big = 1 << 21
+    rig, pure, tree, mirrors = setup_pair(
+        policy, POLICIES[policy], 300, seed=5, kv_tokens=big, max_prefill_tokens=big,
+        chunked_prefill_size=big, cache="unified",
+    )  # fmt: skip
+    fair = rig.scheduler.policy
+    assert isinstance(fair.shadow, EventShadow)
+    admitted = rig.admit()
+    expected = reference_order(pure, mirrors, tree)
+    assert [r.rid for r in admitted] == [m.rid for m in expected]
+    assert fair.num_resyncs == 0 and not fair.shadow.dirty and fair.shadow.num_matches > 0
+
+
+def test_events_of_another_namespace_turn_the_shadow_off():
+    """An event naming a LoRA (or a cache salt) would mix another namespace's paths into the
+    one tree: the shadow goes dirty for good and the adapter matches exactly."""
+    from sglang.srt.disaggregation.kv_events import BlockStored
+
+    shadow = EventShadow(unified_cache())
+    stored = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[5],
+                         block_size=1, lora_id=7)  # fmt: skip
+    shadow._take = lambda: [stored]
+    shadow.begin_pass([])
+    assert shadow.namespaced and shadow.dirty
+    shadow._take = lambda: []
+    shadow.begin_pass([])
+    assert shadow.dirty

@@ -1,0 +1,142 @@
+"""A shadow of SGLang's ``UnifiedRadixCache`` (0.5.23's default server cache), from its KV events.
+
+``shadow.ShadowCache`` follows the plain ``RadixCache`` by wrapping its event recorder and
+reading its nodes. The unified cache's tree core is Rust by default (Python as a fallback):
+neither its nodes nor its recorder can be read the same way. What both cores do produce is
+the KV event stream SGLang publishes for KV-aware routers (``take_events()``: ``BlockStored``
+with the token ids, ``BlockRemoved``, ``AllBlocksCleared``, each tagged GPU or CPU), the
+stream our router follows. ``EventShadow`` follows it too:
+
+* it wraps the cache's ``take_events`` (on the instance): before each admission pass it
+  takes the new events itself and applies their GPU ones (``sgl_fair.kv_events``'
+  ``KVEventDecoder``) to its tree; the events are kept, and the next ``take_events`` call
+  from SGLang's publisher returns them, so the published stream is unchanged;
+* matching and memos are ``ShadowCache``'s;
+* self-check: its token count must equal the cache's (``evictable_size() +
+  protected_size()``). If not, the tree is rebuilt from the decoder's pages; if that does not
+  match either, the shadow is dirty and the adapter uses SGLang's exact ``match_prefix``
+  until it matches again.
+
+Limits (``supported`` says why not; the adapter then keeps the exact path): KV events must be
+on (the launcher turns them on: ``--kv-events-config``); page size 1 (SGLang's default);
+and requests in one namespace (events do not name an ``extra_key``: a request with one, a
+``cache_salt`` or a LoRA is matched exactly, by SGLang; events naming a LoRA or a salt turn
+the shadow off).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from sgl_fair.kv_events import Cleared, KVEventDecoder, Removed, Stored, decode_batch
+from sgl_fair.worker.sglang.shadow import OWNER, ShadowCache
+
+log = logging.getLogger("sgl_fair.sglang")
+
+DEFAULT_NS = (None, None)
+
+
+def supported(tree_cache: Any) -> str | None:
+    """None if ``tree_cache`` can be followed from its events, else why not."""
+    if not callable(getattr(tree_cache, "take_events", None)):
+        return f"{type(tree_cache).__name__} has no take_events()"
+    if getattr(tree_cache, "disable", False):
+        return "the radix cache is disabled"
+    recorder = getattr(getattr(tree_cache, "tree_core", None), "kv_events", None)
+    if not getattr(recorder, "enabled", False):
+        return "KV events are off (--kv-events-config turns them on)"
+    if int(getattr(tree_cache, "page_size", 1) or 1) != 1:
+        return "page size > 1"
+    return None
+
+
+class EventShadow(ShadowCache):
+    def __init__(self, tree_cache: Any) -> None:  # noqa: D107 (ShadowCache's state, no hooks)
+        self.cache = tree_cache
+        self.page = 1
+        self.trees = {}
+        self.epoch = 0
+        self.dirty = False
+        self.num_rebuilds = 0
+        self.num_matches = 0
+        self._memo = {}
+        self.decoder = KVEventDecoder()
+        self._kept: list = []  # events taken for the shadow, not yet given to SGLang's publisher
+        self._following = True
+        # Events name a LoRA or a cache salt: paths of other namespaces would mix into the one
+        # tree, so the shadow stops answering (the adapter matches exactly, by SGLang).
+        self.namespaced = False
+        self._take = tree_cache.take_events  # the cache's own (bound) method
+
+        def take_events() -> list:
+            if self._following:
+                self.sync()
+            kept, self._kept = self._kept, []
+            return kept + list(self._take() or ())
+
+        tree_cache.take_events = take_events
+
+    def detach(self) -> None:
+        """Stop following: the events already taken still reach the publisher, once."""
+        self._following = False
+        self.trees = {}
+        self._memo.clear()
+
+    def sync(self) -> None:
+        """Apply the events recorded since the last call."""
+        events = list(self._take() or ())
+        if not events:
+            return
+        self._kept.extend(events)
+        self._guard(self._apply, events)
+
+    def _apply(self, events: list) -> None:
+        if any(getattr(e, "lora_id", None) is not None or getattr(e, "cache_salt", None)
+               for e in events):  # fmt: skip
+            if not self.namespaced:
+                log.info("sgl-fair: namespaced KV events (LoRA / cache_salt); exact matches")
+            self.namespaced = True
+        # SGLang's event objects, read as our structs of the same wire format (its publisher
+        # encodes the same way): one msgpack round trip, not a field-by-field copy.
+        batch = decode_batch(msgspec.msgpack.encode([0.0, events, None]))
+        for op in self.decoder.apply(batch):
+            if isinstance(op, Stored):
+                self._tree(DEFAULT_NS).insert(op.path, owner=OWNER)
+            elif isinstance(op, Removed):
+                tree = self.trees.get(DEFAULT_NS)
+                if tree is not None:
+                    tree.remove_owner(op.path, OWNER, from_len=op.start)
+            elif isinstance(op, Cleared):
+                self.clear()
+
+    def rebuild(self) -> None:
+        """The tree again from every page the decoder knows (each known page's path)."""
+        self.clear()
+        self.dirty = False
+        decoder = self.decoder
+        leaves = [h for h, b in decoder._blocks.items() if not b.children]
+        tree = self._tree(DEFAULT_NS)
+        for h in leaves:
+            tree.insert(decoder.path(h), owner=OWNER)
+
+    def begin_pass(self, waiting_queue: Any) -> None:
+        self.sync()
+        if self.namespaced:
+            self.dirty = True
+            return
+        if not self.in_sync():
+            self.num_rebuilds += 1
+            self.rebuild()
+            self.dirty = not self.in_sync()
+            if self.dirty:
+                log.info("sgl-fair: event shadow out of sync with SGLang's cache; exact matches")
+        if len(self._memo) > 2 * len(waiting_queue) + 256:
+            live = {r.rid for r in waiting_queue}
+            self._memo = {rid: e for rid, e in self._memo.items() if rid in live}
+
+    def handles(self, req: Any) -> bool:
+        """Events name no ``extra_key``: a request with a namespace is matched exactly."""
+        return req.extra_key is None and not req.cache_salt and req.lora_id is None
