@@ -131,3 +131,21 @@ def test_events_of_another_namespace_turn_the_shadow_off():
     shadow._take = lambda: []
     shadow.begin_pass([])
     assert shadow.dirty
+
+
+def test_a_failure_never_reaches_sglangs_scheduler():
+    """Whatever goes wrong while following the events leaves the shadow dirty (the adapter
+    then matches exactly) and raises nothing into SGLang's admission pass."""
+    cache = unified_cache()
+    shadow = EventShadow(cache)
+
+    def broken() -> list:
+        raise RuntimeError("boom")
+
+    shadow._take = broken
+    shadow.begin_pass([])
+    assert shadow.dirty
+    shadow._take = lambda: []
+    insert(cache, [1, 2, 3])  # its events are lost to the shadow (taken by nobody)
+    shadow.begin_pass([])
+    assert shadow.dirty  # the shadow misses 3 tokens: it does not pretend otherwise

@@ -123,6 +123,20 @@ class EventShadow(ShadowCache):
             tree.insert(decoder.path(h), owner=OWNER)
 
     def begin_pass(self, waiting_queue: Any) -> None:
+        """Before an admission pass: apply new events, self-check. Never raises into SGLang's
+        scheduler: a failure leaves the shadow dirty (the adapter matches exactly)."""
+        try:
+            self._begin_pass()
+        except Exception:  # noqa: BLE001
+            if not self.dirty:
+                log.exception("sgl-fair: event shadow failed; exact matches")
+            self.dirty = True
+            return
+        if len(self._memo) > 2 * len(waiting_queue) + 256:
+            live = {r.rid for r in waiting_queue}
+            self._memo = {rid: e for rid, e in self._memo.items() if rid in live}
+
+    def _begin_pass(self) -> None:
         self.sync()
         if self.namespaced:
             self.dirty = True
@@ -133,9 +147,6 @@ class EventShadow(ShadowCache):
             self.dirty = not self.in_sync()
             if self.dirty:
                 log.info("sgl-fair: event shadow out of sync with SGLang's cache; exact matches")
-        if len(self._memo) > 2 * len(waiting_queue) + 256:
-            live = {r.rid for r in waiting_queue}
-            self._memo = {rid: e for rid, e in self._memo.items() if rid in live}
 
     def handles(self, req: Any) -> bool:
         """Events name no ``extra_key``: a request with a namespace is matched exactly."""
