@@ -163,13 +163,13 @@ def _grid_cell(**d2lpm):
     d2lpm.setdefault("clients", _clients(80.0, 30.0))
     rows = [
         {**base, "policy": "VTC", "served_tok_s": 50.0, "jain": 0.95, "p99_well_behaved_s": 40.0,
-         "clients": _clients(25.0, 25.0)},  # fmt: skip
+         "clients": _clients(25.0, 25.0), "jain_actual": 0.99},  # fmt: skip
         {**base, "policy": "RR+LPM", "served_tok_s": 90.0, "jain": 0.7, "p99_well_behaved_s": 60},
         {**base, "policy": "Preble", "served_tok_s": 100.0, "jain": 0.7, "p99_well_behaved_s": 30},
         {**base, "policy": "CacheAware+LPM", "served_tok_s": 95.0, "jain": 0.7,
          "p99_well_behaved_s": 50.0},
         {**base, "policy": "D2LPM", "served_tok_s": 110.0, "jain": 0.93, "p99_well_behaved_s": 9.0,
-         **d2lpm},
+         "jain_actual": 0.97, **d2lpm},
     ]  # fmt: skip
     return [{k: v for k, v in r.items() if v is not None} for r in rows]
 
@@ -186,9 +186,10 @@ def _grid_cell(**d2lpm):
         ({"p99_well_behaved_s": 31.0}, {5, 6}),
         ({"clients": _clients(90.0, 23.0)}, {7}),  # c1 (well-behaved) < 0.95x its VTC rate
         ({"clients": _clients(20.0, 25.0)}, set()),  # the misbehaver's rate is not checked
+        ({"jain_actual": 0.95}, {8}),  # the system view, more than 0.03 below VTC's
     ],
 )
 def test_grid_claims_are_the_issues_targets_and_can_fail(change, failing):
     claims = EXPERIMENTS["d2lpm-grid"].claims(_grid_cell(**change))
-    assert len(claims) == 8
+    assert len(claims) == 9
     assert {i for i, c in enumerate(claims) if not c.passed} == failing, claims
