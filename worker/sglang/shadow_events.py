@@ -54,7 +54,8 @@ def supported(tree_cache: Any) -> str | None:
 
 
 class EventShadow(ShadowCache):
-    def __init__(self, tree_cache: Any) -> None:  # noqa: D107 (ShadowCache's state, no hooks)
+    def __init__(self, tree_cache: Any) -> None:
+        """``ShadowCache``'s state, without its recorder hooks: ``take_events`` is wrapped."""
         self.cache = tree_cache
         self.page = 1
         self.trees = {}
