@@ -131,8 +131,8 @@ class ClusterLoad:
     num_fresh: int  # of which have a fresh Load report
     num_waiting: int  # summed over the fresh reports
     kv_usage: float  # mean over the alive workers of kv_used / capacity (stale/missing: 0)
-    max_waiting: int = 0  # the most waiting on one fresh worker
-    max_kv_usage: float = 0.0  # the highest kv_used / capacity of one fresh worker
+    busiest_waiting: int = 0  # the most waiting on one fresh worker
+    busiest_kv_usage: float = 0.0  # the highest kv_used / capacity of one fresh worker
 
 
 class ClusterOIT:
@@ -174,7 +174,9 @@ class ClusterOIT:
             return False
         cfg = self.config
         if cfg.overload == "any":
-            return load.max_waiting > cfg.max_waiting or load.max_kv_usage >= cfg.kv_threshold
+            return (
+                load.busiest_waiting > cfg.max_waiting or load.busiest_kv_usage >= cfg.kv_threshold
+            )
         return (
             load.num_waiting > cfg.max_waiting * load.num_workers
             or load.kv_usage >= cfg.kv_threshold

@@ -183,7 +183,7 @@ def test_overload_rule_any_one_worker_by_the_worker_rule():
     view.report(2, 0.0, kv=1.0)
     assert not any_.overloaded(view, 10.0)  # every report is stale by then
     load = any_.cluster_load(view, 0.0)
-    assert (load.max_waiting, load.max_kv_usage, load.num_waiting) == (2, 1.0, 6)
+    assert (load.busiest_waiting, load.busiest_kv_usage, load.num_waiting) == (2, 1.0, 6)
 
 
 def test_same_decisions_as_the_worker_oit_on_one_worker():
