@@ -375,6 +375,11 @@ class KVEventDecoder:
                 self._removed(ev, ops)
         return ops
 
+    def leaf_paths(self) -> list[Tokens]:
+        """The token path of every known page with no known child: together, every path the
+        worker holds (what a follower rebuilds its tree from)."""
+        return [self.path(h) for h, block in self._blocks.items() if not block.children]
+
     def path(self, block_hash: int) -> Tokens:
         """The token path from the root to the end of a known page (KeyError if unknown)."""
         last = self._last

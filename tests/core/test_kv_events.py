@@ -304,6 +304,7 @@ def test_decoder_rebuilds_paths_and_removes_maximal_subtrees():
         ]
     )
     assert ops == [Stored((10, 11, 12, 13)), Stored(seq(10, 6)), Stored((10, 11, 12, 13, 16, 17))]
+    assert sorted(dec.leaf_paths()) == [seq(10, 6), (10, 11, 12, 13, 16, 17)]
     # Child first, as SGLang lists a leaf before the node above it; 4 stays.
     assert dec.apply([BlockRemoved(block_hashes=[3, 2])]) == [Removed((10, 11, 12, 13), 2)]
     # 2 went with 3, so 4 (below 2) is forgotten too: its removal is unknown.

@@ -149,3 +149,16 @@ def test_a_failure_never_reaches_sglangs_scheduler():
     insert(cache, [1, 2, 3])  # its events are lost to the shadow (taken by nobody)
     shadow.begin_pass([])
     assert shadow.dirty  # the shadow misses 3 tokens: it does not pretend otherwise
+
+
+def test_a_shadow_out_of_step_is_rebuilt_from_the_decoders_pages():
+    cache = unified_cache()
+    shadow = EventShadow(cache)
+    insert(cache, [1, 2, 3, 4])
+    insert(cache, [1, 2, 9])
+    shadow.begin_pass([])
+    shadow.clear()  # the tree loses its paths; the decoder still knows every page
+    shadow.begin_pass([])
+    assert shadow.num_rebuilds == 1 and not shadow.dirty and shadow.total_tokens == 5
+    r = make_req([1, 2, 9, 7], "c")
+    assert shadow.prefix_len(r, tuple(r.origin_input_ids)) == 3

@@ -117,11 +117,9 @@ class EventShadow(ShadowCache):
         """The tree again from every page the decoder knows (each known page's path)."""
         self.clear()
         self.dirty = False
-        decoder = self.decoder
-        leaves = [h for h, b in decoder._blocks.items() if not b.children]
         tree = self._tree(DEFAULT_NS)
-        for h in leaves:
-            tree.insert(decoder.path(h), owner=OWNER)
+        for path in self.decoder.leaf_paths():
+            tree.insert(path, owner=OWNER)
 
     def begin_pass(self, waiting_queue: Any) -> None:
         """Before an admission pass: apply new events, self-check. Never raises into SGLang's
