@@ -351,3 +351,17 @@ def try_allocate(kv: PrefixKVCache, owner: int, n: int) -> bool:
         return False
     assert kv.allocator.held(owner) == held + n
     return True
+
+
+def test_the_kept_emptiest_order_matches_a_rescan_after_few_or_many_changes() -> None:
+    """``BlockLayout.emptiest`` re-places touched blocks one by one, or re-sorts every block
+    when many were touched (a long stretch without asking): ``check`` compares both with a
+    rescan, and the large case takes no quadratic time."""
+    alloc = PagedAllocator(4096 * 4, block_size=4)
+    for i in range(1500):
+        alloc.allocate(f"r{i}", 1 + i % 7)  # thousands of blocks touched: the re-sort
+    alloc.layout.check()
+    for i in range(0, 1500, 250):
+        alloc.free(f"r{i}")  # a few: one by one
+        alloc.layout.check()
+    assert alloc.layout.emptiest(0)[0][0] == 0  # free blocks (no run on the other side) first

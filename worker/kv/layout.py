@@ -184,7 +184,11 @@ class BlockLayout:
         return self._order[side]
 
     def _order_sync(self) -> None:
-        for b in self._order_touched:
+        touched = self._order_touched
+        if len(touched) > 64 + self.num_blocks // 16:  # many: one sort beats many inserts
+            self._order_rebuild()
+            return
+        for b in touched:
             sides = self.sides[b]
             for side in (0, 1):
                 at, order = self._order_at[side], self._order[side]
@@ -196,6 +200,19 @@ class BlockLayout:
                     end = max(p.end for p in other) if other else 0
                     at[b] = end
                     insort(order, (end, b))
+        touched.clear()
+
+    def _order_rebuild(self) -> None:
+        """Both orders from a scan of every block (O(n log n))."""
+        for side in (0, 1):
+            at = {}
+            for b, sides in enumerate(self.sides):
+                if not sides[side]:
+                    other = sides[1 - side]
+                    at[b] = max(p.end for p in other) if other else 0
+            self._order_at[side].clear()
+            self._order_at[side].update(at)
+            self._order[side][:] = sorted((end, b) for b, end in at.items())
         self._order_touched.clear()
 
     def new_piece(self, owner: Hashable, block: int, side: int, k: int) -> Piece:

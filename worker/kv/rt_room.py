@@ -45,8 +45,31 @@ class RTRoom:
         needs = any(p.ckpt is None for p in right if p.end > top)
         return needs, size - top, size - max(p.end for p in right)
 
+    def _rebuild(self) -> None:
+        """Every block's contribution again (many touched: one pass beats many inserts)."""
+        self._blocks.clear()
+        self._plain = self._fallback = self._gain = 0
+        needy = []
+        for b in range(len(self.layout.sides)):
+            new = self._block(b)
+            if new is None:
+                continue
+            self._blocks[b] = new
+            needs, full, fallback = new
+            if needs:
+                self._fallback += fallback
+                self._gain += full - fallback
+                needy.append(b)
+            else:
+                self._plain += full
+        self._needy = needy  # in block order: already sorted
+        self.layout.touched.clear()
+
     def _update(self) -> None:
         touched = self.layout.touched
+        if len(touched) > 64 + len(self.layout.sides) // 16:
+            self._rebuild()
+            return
         blocks, needy = self._blocks, self._needy
         for b in touched:
             old = blocks.pop(b, None)
