@@ -125,6 +125,9 @@ class BROS(BasePolicy):
     # A host that cannot choose the running batch (SGLang's scheduler decodes every running
     # request) may still run BROS's admission order: `order` below (worker/sglang/settings.py).
     admission_order = True
+    # It orders by RT/BE class: hosts carry each request's class to it (the SGLang plugin runs
+    # SGLang's priority scheduling, and its bridges send the class as ``priority``).
+    uses_service_classes = True
 
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
         """BROS's admission order, for hosts without ``select_batch`` (our scheduler calls

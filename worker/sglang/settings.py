@@ -50,7 +50,7 @@ BE_PRIORITY = 0
 def uses_classes(cls: type) -> bool:
     """A policy that orders by RT/BE class inside SGLang (BROS): its servers run SGLang's
     priority scheduling and its bridges send each request's class as ``priority``."""
-    return getattr(cls, "admission_order", False)
+    return getattr(cls, "uses_service_classes", False)
 
 
 def batch_selecting(cls: type) -> bool:
