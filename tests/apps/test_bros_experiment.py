@@ -29,6 +29,22 @@ def test_small_hybrid_run_finishes_in_seconds_with_the_issue_fields():
     assert len(claims) == 4 and all({"text", "passed", "detail"} <= set(c) for c in claims)
 
 
+def test_claims_and_regimes_are_per_be_batch_size():
+    rows = [
+        bros.run_one(p, 2.0, 4.0, seed=0, be_batch=b)
+        for b in (8, 64)
+        for p in ("fcfs", "rr", "bros")
+    ]
+    assert {r["be_batch"] for r in rows} == {8, 64}
+    claims = bros.hybrid_claims(rows)
+    assert len(claims) == 8
+    assert sum("(BE batch 8)" in c["text"] for c in claims) == 4
+    assert sum("(BE batch 64)" in c["text"] for c in claims) == 4
+    regimes = {r["be_batch"]: r for r in bros.hybrid_regimes(rows)}
+    fcfs = {r["be_batch"]: r["rt_ttft_attain"] for r in rows if r["policy"] == "fcfs"}
+    assert {b: regimes[b]["fcfs_rt_ttft_attain"] for b in (8, 64)} == fcfs
+
+
 def test_bicache_rows_run_on_both_allocators():
     for allocator in ("paged", "bidirectional"):
         row = bros.run_one("bros", 2.0, 2.0, 0, allocator=allocator, kv_tokens=6000)
@@ -44,3 +60,23 @@ def test_registered_with_the_cli(capsys):
 
 def test_selection_time_is_measured():
     assert 0 < bros.selection_time_ms(num_rt=32, num_be=32, repeats=3) < 1000
+
+
+def test_token_clock_counts_each_rt_token_against_the_tpot_slo():
+    from sgl_fair.request import Request, ServiceClass
+
+    a = Request("a", "c", (1, 2), 4, 0.0, service_class=ServiceClass.RT, tpot_slo_s=0.2)
+    b = Request("b", "c", (1, 2), 4, 0.0, service_class=ServiceClass.RT, tpot_slo_s=0.2)
+    be = Request("x", "c", (1, 2), 4, 0.0, service_class=ServiceClass.BE)
+    clock = bros.TokenClock()
+    clock.tick([a, be], 1.0)  # a's first token: TTFT's, not TPOT's
+    clock.tick([a, be], 1.1)  # on time
+    clock.tick([a], 1.5)  # 0.4 s late
+    clock.tick([a], 1.6)  # on time
+    a.finish_s = 1.6
+    assert clock.tokens[id(a)] == 3 and clock.on_time[id(a)] == 2
+    assert id(be) not in clock.tokens
+    # b never finished: 0; a: 2 of 3 on time.
+    assert abs(clock.attainment([a, b]) - (2 / 3) / 2) < 1e-9
+    b.finish_s = 2.0  # finished with only its first token: nothing was late
+    assert abs(clock.attainment([a, b]) - (2 / 3 + 1) / 2) < 1e-9
