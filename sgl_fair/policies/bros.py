@@ -244,11 +244,23 @@ class BROS(BasePolicy):
         be.sort(key=lambda r: (served(r.client), slots[id(r)], r.arrival_s, r.seq))
         # Scheduled RT that could skip this iteration and still meet the next deadline.
         swappable = [r for r in batch.items if r.service_class is ServiceClass.RT]
+        # While the batch only grows, T_iter only grows: BE work priced over the residual
+        # stays over it, and so does any work at least as large (T_iter is monotone in each
+        # of prefill tokens, cached prefix, decode context and swap-in). `too_slow` keeps the
+        # smallest such works; a BE request dominated by one is skipped without pricing.
+        too_slow = _Frontier()
         for b in be:
             if len(batch) < limit:
-                if mem.fits(b) and batch.time_with(b) <= residual:
+                work = batch.work_key(b)
+                if too_slow.dominates(work):
+                    continue
+                if not mem.fits(b):
+                    continue
+                if batch.time_with(b) <= residual:
                     batch.add(b)
                     mem.take(b)
+                else:
+                    too_slow.add(work)
                 continue
             while swappable:
                 victim = swappable[-1]  # least urgent (sorted ascending by remaining)
@@ -354,6 +366,28 @@ class _Memory:
         self.taken -= self._need(req)
 
 
+class _Frontier:
+    """Minimal work keys ``(kind, a, b, swap)`` (``_Batch.work_key``) seen to overrun."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, int, int, int]] = []
+
+    def dominates(self, key: tuple[int, int, int, int]) -> bool:
+        kind, a, b, swap = key
+        return any(k == kind and a >= ka and b >= kb and swap >= ks for k, ka, kb, ks in self._keys)
+
+    def add(self, key: tuple[int, int, int, int]) -> None:
+        if self.dominates(key):
+            return
+        kind, a, b, swap = key
+        self._keys = [
+            x for x in self._keys if not (x[0] == kind and x[1] >= a and x[2] >= b and x[3] >= swap)
+        ]
+        self._keys.append(key)
+
+
 class _Batch:
     """The batch under construction and its ``T_iter`` (cost callable, re-evaluated on demand)."""
 
@@ -379,6 +413,15 @@ class _Batch:
             return None, req.seq_len
         cached = min(self.view.prefix_len(req), req.seq_len - 1)
         return (req.seq_len - cached, cached), None
+
+    def work_key(self, req: Request) -> tuple[int, int, int, int]:
+        """What ``req`` adds to ``T_iter``: (0, extend, cached, swap-in) for a prefill,
+        (1, context, 0, swap-in) for a decode; the cost grows with each component."""
+        chunk, ctx = self._work(req)
+        swap = self._ckpt(req) if self._ckpt is not None else 0
+        if chunk is not None:
+            return 0, chunk[0], chunk[1], swap
+        return 1, ctx, 0, swap
 
     def add(self, req: Request) -> None:
         chunk, ctx = self._work(req)

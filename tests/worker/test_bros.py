@@ -366,6 +366,66 @@ def test_add_prefix_adds_what_one_by_one_packing_adds(first, rest, cap_ms):
     assert searched.time() == one_by_one.time()
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    # RT requests 0.25-0.39 s into their 0.4 s TTFT: residuals a BE prefill can overrun.
+    rts=st.lists(
+        st.tuples(st.floats(0.25, 0.39), st.integers(1, 300), st.integers(0, 3)),
+        min_size=1,
+        max_size=6,
+    ),
+    bes=st.lists(
+        st.tuples(st.integers(1, 3000), st.integers(0, 3), st.integers(0, 3000), st.integers(0, 2)),
+        max_size=40,
+    ),
+    limit=st.integers(1, 60),
+)
+def test_be_phase_skips_only_work_that_cannot_fit(rts, bes, limit):
+    """The BE phase skips, unpriced, BE work at least as large as work already priced over
+    the residual. Under the simulator's cost (swap-in priced), it chooses exactly what
+    pricing every BE request chooses."""
+    import sgl_fair.policies.bros as bros_mod
+
+    cost = CostModel.from_names("A100-80GB", "Llama-3-70B", 8).step_time
+    view = FakeView(now=1.0)
+    cands = [
+        req(f"r{i}", RT, arrival=1.0 - age, input_len=n, decoded=d, out=10)
+        for i, (age, n, d) in enumerate(rts)
+    ]
+    for i, (n, d, slots, client) in enumerate(bes):
+        b = req(f"b{i}", BE, input_len=n, decoded=d, out=10, client=f"c{client}")
+        view.slots[b.rid] = slots * 16 if d else 0
+        cands.append(b)
+
+    def policy():  # BE clients served unequally: BE is not sorted by work within the phase
+        p = make_policy("bros", b0=limit, b_step=0, inner="vtc")
+        p.inner.counters.update({f"c{c}": 100.0 * c for c in range(3)})
+        return p
+
+    skipping = policy().select_batch(list(cands), view, cost)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(bros_mod._Frontier, "dominates", lambda self, key: False)
+        pricing = policy().select_batch(list(cands), view, cost)
+    assert [r.rid for r in skipping] == [r.rid for r in pricing]
+
+
+def test_frontier_keeps_the_minimal_overruns():
+    f = bros_mod_frontier()
+    f.add((0, 500, 0, 0))
+    assert f.dominates((0, 500, 0, 0)) and f.dominates((0, 600, 10, 5))
+    assert not f.dominates((0, 499, 0, 0)) and not f.dominates((1, 900, 0, 0))
+    f.add((0, 300, 0, 0))  # smaller: replaces the 500 point
+    assert f._keys == [(0, 300, 0, 0)]
+    f.add((1, 64, 0, 16))
+    assert f.dominates((1, 64, 0, 16)) and not f.dominates((1, 64, 0, 0))
+
+
+def bros_mod_frontier():
+    from sgl_fair.policies.bros import _Frontier
+
+    return _Frontier()
+
+
 def test_order_for_hosts_without_batch_selection_puts_urgent_rt_first_then_fair_be():
     """``BROS.order`` (what the SGLang plugin runs): RT by remaining time to the deadline, the
     most urgent first, whatever the arrival order; then BE in the inner policy's order (VTC:
