@@ -64,7 +64,12 @@ class Rejection:
 
 @runtime_checkable
 class SchedulerView(Protocol):
-    """What a policy may ask the scheduler during ``order``."""
+    """What a policy may ask the scheduler during ``order``.
+
+    A view may also offer ``prefix_lens(reqs) -> list[int]``, ``prefix_len`` of each request
+    in one call; ``lpm_order`` uses it where present (the SGLang plugin's view answers a whole
+    queue's memoised matches in one loop). It must equal asking ``prefix_len`` one by one.
+    """
 
     @property
     def now(self) -> float: ...

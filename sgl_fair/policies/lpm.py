@@ -19,7 +19,8 @@ def lpm_order(waiting: Sequence[Request], view: SchedulerView) -> list[Request]:
     ``waiting`` comes in arrival order (the scheduler's contract), and a stable sort on
     the length alone keeps that order among ties: no tuple keys on the hot path.
     """
-    lens = [view.prefix_len(r) for r in waiting]
+    many = getattr(view, "prefix_lens", None)  # optional: a view may answer in one call
+    lens = many(waiting) if many is not None else [view.prefix_len(r) for r in waiting]
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
     return [waiting[i] for i in order]
 

@@ -64,7 +64,7 @@ def test_prefix_lengths_match_sglangs_and_the_publisher_sees_every_event(seed):
         doc = rng.choice(docs)
         tail = [rng.randrange(30000, 32000) for _ in range(rng.randint(1, 30))]
         reqs.append(make_req(doc[: rng.randint(5, len(doc))] + tail, "c", rid=f"q{i}"))
-    published, checked = [], 0
+    published, checked, hits, misses = [], 0, 0, 0
     for _ in range(15):
         for _ in range(rng.randint(1, 4)):
             doc = rng.choice(docs)
@@ -76,16 +76,21 @@ def test_prefix_lengths_match_sglangs_and_the_publisher_sees_every_event(seed):
             cache.evict(EvictParams(num_tokens=rng.randint(1, 300)))
         shadow.begin_pass(reqs)
         assert not shadow.dirty
-        for r in reqs:
+        memo = shadow.prefix_lens(reqs)  # memo hits in one loop; None: ask prefix_len
+        for r, hit in zip(reqs, memo, strict=True):
             got = shadow.prefix_len(r, tuple(r.origin_input_ids))
             match_kv_cache(r, cache, r.origin_input_ids + r.output_ids)  # SGLang's own
             assert got == int(r.prefix_len), r.rid
+            assert hit is None or hit == got, r.rid
             checked += got > 0
+            hits += hit is not None
+            misses += hit is None
         if rng.random() < 0.5:  # SGLang's publisher drains now and then
             published += cache.take_events()
     published += cache.take_events()
     assert published == recorded and any(type(e).__name__ == "BlockRemoved" for e in published)
     assert checked > 0 and shadow.num_rebuilds == 0
+    assert hits > 0 and misses > 0  # both paths ran
 
 
 def test_a_namespaced_request_is_left_to_sglang():

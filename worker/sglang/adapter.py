@@ -268,6 +268,20 @@ class _View:
             return shadow.prefix_len(req, m.input_ids)
         return self._adapter.prefix_len(req)
 
+    def prefix_lens(self, ms: Sequence[Request]) -> list[int]:
+        """``prefix_len`` of each of ``ms`` (``lpm_order`` asks for a whole queue): memo hits
+        in one loop (a hit was matched on the shadow, so the shadow handles it), the rest
+        one by one, exactly once the shadow turns dirty."""
+        shadow = self._shadow
+        if shadow is None or shadow.dirty:
+            return [self.prefix_len(m) for m in ms]
+        reqs = self._reqs
+        lens = shadow.prefix_lens([reqs[m.rid] for m in ms])
+        for i, n in enumerate(lens):
+            if n is None or shadow.dirty:
+                lens[i] = self.prefix_len(ms[i])
+        return lens  # type: ignore[return-value]
+
 
 class FairSchedulePolicy(SchedulePolicy):
     """SGLang's ``SchedulePolicy`` with our policy's order (SGLang's other helpers inherited)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from sgl_fair.radix import Node, RadixTree
@@ -246,6 +247,34 @@ class ShadowCache:
                     return entry.length
         self._match(entry)
         return entry.length
+
+    def prefix_lens(self, reqs: Sequence[Any]) -> list[int | None]:
+        """``prefix_len`` of each request whose memoised match still holds, ``None`` for
+        the others (to ask ``prefix_len``): an admission pass's steady state, in one loop."""
+        memo_get = self._memo.get
+        epoch = self.epoch
+        out: list[int | None] = []
+        append = out.append
+        for req in reqs:
+            e = memo_get(req.rid)
+            if e is not None and e.req is req and e.epoch == epoch:
+                node = e.node
+                if (
+                    e.num_out == len(req.output_ids)
+                    and node is not None
+                    and (node.parent is not None or node is e.tree.root)
+                ):
+                    v = e.version
+                    if v is None:
+                        nxt = e.nxt
+                        if nxt is None or nxt not in node.children:
+                            append(e.length)
+                            continue
+                    elif node.version == v:
+                        append(e.length)
+                        continue
+            append(None)
+        return out
 
     def _match(self, entry: _Entry) -> None:
         """Match ``entry.tokens``; on a re-match, cut the shadow's edge where it ends.
