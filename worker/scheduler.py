@@ -77,6 +77,7 @@ class Scheduler:
         self._checkpointing = (
             hasattr(kv.allocator, "restore_plan") or getattr(kv.allocator, "block_size", 1) > 1
         )
+        self._checkpointed_of = getattr(kv.allocator, "checkpointed_slots", None)
         # Optional seam: a policy that throttles only under overload (FairServe's OIT) reads
         # the worker's KV usage through this probe.
         attach_load = getattr(policy, "attach_load", None)
@@ -412,7 +413,7 @@ class Scheduler:
 
     def checkpointed_slots(self, req: Request) -> int:
         """KV tokens of ``req`` checkpointed to host (0 unless the allocator checkpoints)."""
-        fn = getattr(self.kv.allocator, "checkpointed_slots", None)
+        fn = self._checkpointed_of  # BROS asks for every candidate, every iteration
         return fn(req) if fn is not None else 0
 
     # ------------------------------------------------------------ memory pressure
