@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_fair.policies import make_policy, policy_names
-from sgl_fair.policies.bros import _Batch
+from sgl_fair.policies.bros_batch import _Batch, _Frontier
 from sgl_fair.request import Phase, Request, ServiceClass
 from sgl_fair.worker.kv.prefix_cache import PrefixKVCache
 from sgl_fair.worker.kv.registry import make_allocator
@@ -374,8 +374,14 @@ def test_add_prefix_adds_what_one_by_one_packing_adds(first, rest, cap_ms):
         min_size=1,
         max_size=6,
     ),
+    # BE: waiting (decoded 0) or decoding with few or many checkpointed blocks, 3 clients.
     bes=st.lists(
-        st.tuples(st.integers(1, 3000), st.integers(0, 3), st.integers(0, 3000), st.integers(0, 2)),
+        st.tuples(
+            st.integers(1, 3000),
+            st.sampled_from([0, 0, 1, 3]),
+            st.one_of(st.integers(0, 40), st.integers(0, 3000)),
+            st.integers(0, 2),
+        ),
         max_size=40,
     ),
     limit=st.integers(1, 60),
@@ -384,8 +390,6 @@ def test_be_phase_skips_only_work_that_cannot_fit(rts, bes, limit):
     """The BE phase skips, unpriced, BE work at least as large as work already priced over
     the residual. Under the simulator's cost (swap-in priced), it chooses exactly what
     pricing every BE request chooses."""
-    import sgl_fair.policies.bros as bros_mod
-
     cost = CostModel.from_names("A100-80GB", "Llama-3-70B", 8).step_time
     view = FakeView(now=1.0)
     cands = [
@@ -404,13 +408,34 @@ def test_be_phase_skips_only_work_that_cannot_fit(rts, bes, limit):
 
     skipping = policy().select_batch(list(cands), view, cost)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(bros_mod._Frontier, "dominates", lambda self, key: False)
+        m.setattr(_Frontier, "dominates", lambda self, key: False)
         pricing = policy().select_batch(list(cands), view, cost)
     assert [r.rid for r in skipping] == [r.rid for r in pricing]
 
 
+def test_be_smaller_than_one_that_overran_is_still_added():
+    """150 ms residual, linear cost: BE of 200 prompt tokens overruns it, BE of 100 fits and
+    joins, BE of 250 is skipped unpriced (it is at least as large as the one that overran)."""
+    view = FakeView(now=1.0)
+    rt = req("rt", RT, arrival=0.75)  # 150 ms to its TTFT deadline
+    big, small, bigger = (req(f"be{n}", BE, input_len=n) for n in (200, 100, 250))
+    bros = make_policy("bros")
+    priced = []
+    time_with = _Batch.time_with
+
+    def spy(self, r, *args, **kwargs):
+        priced.append(r.rid)
+        return time_with(self, r, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_Batch, "time_with", spy)
+        chosen = bros.select_batch([rt, big, small, bigger], view, linear_cost)
+    assert [r.rid for r in chosen] == ["rt", "be100"]
+    assert "be250" not in priced and {"be200", "be100"} <= set(priced)
+
+
 def test_frontier_keeps_the_minimal_overruns():
-    f = bros_mod_frontier()
+    f = _Frontier()
     f.add((0, 500, 0, 0))
     assert f.dominates((0, 500, 0, 0)) and f.dominates((0, 600, 10, 5))
     assert not f.dominates((0, 499, 0, 0)) and not f.dominates((1, 900, 0, 0))
@@ -418,12 +443,6 @@ def test_frontier_keeps_the_minimal_overruns():
     assert f._keys == [(0, 300, 0, 0)]
     f.add((1, 64, 0, 16))
     assert f.dominates((1, 64, 0, 16)) and not f.dominates((1, 64, 0, 0))
-
-
-def bros_mod_frontier():
-    from sgl_fair.policies.bros import _Frontier
-
-    return _Frontier()
 
 
 def test_order_for_hosts_without_batch_selection_puts_urgent_rt_first_then_fair_be():
