@@ -53,9 +53,11 @@ def test_stop_strings_fire_on_simulated_text(tmp_path):
                 )
                 choice = out.choices[0]
                 assert stop not in choice.text  # SGLang leaves the stop string out
+                # A stop matched in the last allowed token is still a stop (SGLang checks
+                # stop strings before the length cap), so 400 tokens can finish by "stop".
+                assert out.usage.completion_tokens <= 400
                 if choice.finish_reason == "stop":
                     hits += 1
-                    assert out.usage.completion_tokens < 400
             assert hits >= 5, (stop, hits)  # sentences of ~14 words, paragraphs of ~4
         plain = client.completions.create(model="default", prompt="a", max_tokens=200)
         text = plain.choices[0].text
