@@ -2,8 +2,9 @@
 
 * ``bros-hybrid``: RT chat (Poisson, ShareGPT-like log-normal lengths) at 5 rates beside a
   closed-loop BE job: batches of uniform(512, 1024)-in / uniform(32, 128)-out requests, the
-  next batch submitted when the previous one completes. Policies ``fcfs`` (vLLM-like),
-  ``rr`` (alternate RT/BE each iteration) and ``bros``, all on the paged block allocator.
+  next batch submitted when the previous one completes, at each size of ``BE_BATCHES``.
+  Policies ``fcfs`` (vLLM-like), ``rr`` (alternate RT/BE each iteration) and ``bros``, all
+  on the paged block allocator.
 * ``bros-bicache``: ``bros`` with the bidirectional allocator vs the paged one (RT without a
   block then preempts BE by recompute), on a pool small enough that blocks run out.
 * ``bros-overhead``: ``bros``'s ``select_batch`` time per iteration as a share of the
@@ -442,8 +443,9 @@ EXPERIMENTS: dict[str, BrosExperiment] = {
         BrosExperiment(
             "bros-hybrid",
             "BROS Fig. 10-11",
-            "RT chat at 5 Poisson rates beside closed-loop BE batches: fcfs vs rr vs bros "
-            "(and bros-b0-8: SPEC's literal B0 = 8, an ablation of the adaptive B).",
+            "RT chat at 5 Poisson rates beside closed-loop BE batches of 32, 256 and 512 "
+            "requests: fcfs vs rr vs bros (and bros-b0-8: SPEC's literal B0 = 8, an ablation "
+            "of the adaptive B, at 32).",
             run_hybrid,
         ),
         BrosExperiment(
