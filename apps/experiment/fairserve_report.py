@@ -132,6 +132,15 @@ def targets(rows: Mapping[str, dict[str, Any]], scenario: str = "") -> list[dict
             fs["throughput_tok_s"] >= vtc["throughput_tok_s"],
             f"fairserve {fs['throughput_tok_s']} vs vtc {vtc['throughput_tok_s']} tok/s",
         ),
+        # The FairServe paper's Table 3 reads throughput while serving. Over the whole run,
+        # every policy that eventually serves all it admits serves the same tokens; the
+        # overloaded phase, where capacity binds, is where serving efficiency shows.
+        t(
+            "throughput while overloaded >= vtc's (the paper's reading)",
+            fs["served_overloaded_tok_s"] >= vtc["served_overloaded_tok_s"],
+            f"fairserve {fs['served_overloaded_tok_s']} vs vtc "
+            f"{vtc['served_overloaded_tok_s']} tok/s",
+        ),
     ]
 
 
