@@ -8,6 +8,7 @@ import pytest
 from live_helpers import launched
 from test_tokenizer import make_hf_dir
 
+from sgl_fair.launch.serve import text_model
 from sgl_fair.router.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -20,15 +21,29 @@ def test_launch_with_a_local_hf_tokenizer(tmp_path):
         mi = httpx.get(s.url + "/get_model_info", timeout=10).json()
         assert mi["model_path"] == str(model_dir)
         prompt = "the quick brown fox"
+        # Simulated output is a pure function of the request id: pick one whose six tokens
+        # include a paragraph break ("\n"), an id outside this vocabulary's word range.
+        tm = text_model(tok)
+        rid = next(
+            f"hf-{i}"
+            for i in range(10_000)
+            if tm.newline_id in [tm.mark_id(f"hf-{i}", p) for p in range(6)]
+        )
         r = httpx.post(
             s.url + "/generate",
-            json={"text": prompt, "sampling_params": {"max_new_tokens": 6}},
+            json={"text": prompt, "rid": rid, "sampling_params": {"max_new_tokens": 6}},
             timeout=30,
         ).json()
         assert r["meta_info"]["prompt_tokens"] == len(tok.encode(prompt))
+        # Words come from the clean range; punctuation (".", ",", "\n") is the tokenizer's
+        # own ids, which may lie outside it (this vocabulary's "\n" does); EOS ends a
+        # request that stops on its own.
         lo, hi = tok.output_token_range
-        assert all(lo <= t < hi for t in r["output_ids"])
-        assert r["text"] == tok.decode(r["output_ids"])
+        marks = {m for m in (tm.period_id, tm.comma_id, tm.newline_id) if m is not None}
+        ids = r["output_ids"]
+        assert all(lo <= t < hi or t in marks for t in ids[:-1])
+        assert lo <= ids[-1] < hi or ids[-1] in marks or ids[-1] in tok.eos_token_ids
+        assert r["text"] == tok.decode(ids) and tm.newline_id in ids and "\n" in r["text"]
         chat = httpx.post(
             s.url + "/v1/chat/completions",
             json={
