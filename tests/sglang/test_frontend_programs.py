@@ -87,11 +87,17 @@ def tenant_requests(url: str) -> Counter[tuple[str, str]]:
     return out
 
 
-def wait_for_count(url: str, tenant: str, want: int, *, outcome: str = "ok") -> int:
-    """The server counts a request when it finishes; give the last one a moment."""
+COMPLETED = ("ok", "stopped")
+
+
+def wait_for_count(url: str, tenant: str, want: int, *, outcomes=COMPLETED) -> int:
+    """The server counts a request when it finishes; give the last one a moment. A call
+    that ended on its stop string (the programs' ``stop="\n"``) is "stopped" when the router
+    matched the string before the worker's own end, else "ok" (a race): both completed."""
     deadline = time.monotonic() + 5
     while True:
-        got = tenant_requests(url)[tenant, outcome]
+        counts = tenant_requests(url)
+        got = sum(counts[tenant, o] for o in outcomes)
         if got == want or time.monotonic() > deadline:
             return got
         time.sleep(0.05)
