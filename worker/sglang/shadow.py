@@ -83,17 +83,21 @@ class _Entry:
 
 class ShadowCache:
     def __init__(self, tree_cache: Any) -> None:
+        self._init_state(tree_cache, page=max(1, int(getattr(tree_cache, "page_size", 1) or 1)))
+        self._recorder = tree_cache.kv_events
+        self._hook()
+        self.rebuild()
+
+    def _init_state(self, tree_cache: Any, *, page: int) -> None:
+        """The shadow's own state (shared with ``shadow_events.EventShadow``)."""
         self.cache = tree_cache
-        self.page = max(1, int(getattr(tree_cache, "page_size", 1) or 1))
+        self.page = page
         self.trees: dict[Namespace, RadixTree] = {}
         self.epoch = 0
         self.dirty = False
         self.num_rebuilds = 0
         self.num_matches = 0  # full (non-memoised) matches, for tests and the bench
         self._memo: dict[str, _Entry] = {}
-        self._recorder = tree_cache.kv_events
-        self._hook()
-        self.rebuild()
 
     # ---- following the cache ----------------------------------------------------------------
 
@@ -210,6 +214,10 @@ class ShadowCache:
             self.num_rebuilds += 1
             log.info("sgl-fair: shadow cache out of sync with SGLang's; rebuilding it")
             self.rebuild()
+        self._prune_memo(waiting_queue)
+
+    def _prune_memo(self, waiting_queue: Any) -> None:
+        """Forget the memos of requests no longer waiting (when they outnumber the queue)."""
         if len(self._memo) > 2 * len(waiting_queue) + 256:
             live = {r.rid for r in waiting_queue}
             self._memo = {rid: e for rid, e in self._memo.items() if rid in live}
@@ -218,9 +226,33 @@ class ShadowCache:
         """Whether ``prefix_len`` answers for ``req`` (every request: namespaces are kept)."""
         return True
 
+    def _memo_length(self, req: Any) -> int | None:
+        """``req``'s memoised match length while it still holds, else None: the entry is
+        this very request's at its current output length and epoch, and the tree path it
+        ended on is unchanged (its node still attached, and no child where the match
+        stopped, or the node's version as when matched)."""
+        e = self._memo.get(req.rid)
+        if e is None or e.req is not req or e.epoch != self.epoch:
+            return None
+        node = e.node
+        if (
+            e.num_out != len(req.output_ids)
+            or node is None
+            or (node.parent is None and node is not e.tree.root)
+        ):
+            return None
+        version = e.version
+        if version is None:
+            nxt = e.nxt
+            return e.length if nxt is None or nxt not in node.children else None
+        return e.length if node.version == version else None
+
     def prefix_len(self, req: Any, input_ids: tuple) -> int:
         """``match_kv_cache(req, cache, origin_input_ids + output_ids)``'s ``prefix_len``,
         without touching SGLang's tree. ``input_ids`` is ``tuple(req.origin_input_ids)``."""
+        hit = self._memo_length(req)
+        if hit is not None:
+            return hit
         entry = self._memo.get(req.rid)
         num_out = len(req.output_ids)
         if (
@@ -235,46 +267,13 @@ class ShadowCache:
             ns = (req.extra_key, req.cache_salt or None)
             entry = _Entry(req, num_out, tokens, self._tree(ns), self.epoch)
             self._memo[req.rid] = entry
-        else:
-            node = entry.node
-            if node.parent is not None or node is entry.tree.root:
-                version = entry.version
-                if version is None:
-                    nxt = entry.nxt
-                    if nxt is None or nxt not in node.children:
-                        return entry.length
-                elif node.version == version:
-                    return entry.length
         self._match(entry)
         return entry.length
 
     def prefix_lens(self, reqs: Sequence[Any]) -> list[int | None]:
         """``prefix_len`` of each request whose memoised match still holds, ``None`` for
         the others (to ask ``prefix_len``): an admission pass's steady state, in one loop."""
-        memo_get = self._memo.get
-        epoch = self.epoch
-        out: list[int | None] = []
-        append = out.append
-        for req in reqs:
-            e = memo_get(req.rid)
-            if e is not None and e.req is req and e.epoch == epoch:
-                node = e.node
-                if (
-                    e.num_out == len(req.output_ids)
-                    and node is not None
-                    and (node.parent is not None or node is e.tree.root)
-                ):
-                    v = e.version
-                    if v is None:
-                        nxt = e.nxt
-                        if nxt is None or nxt not in node.children:
-                            append(e.length)
-                            continue
-                    elif node.version == v:
-                        append(e.length)
-                        continue
-            append(None)
-        return out
+        return list(map(self._memo_length, reqs))
 
     def _match(self, entry: _Entry) -> None:
         """Match ``entry.tokens``; on a re-match, cut the shadow's edge where it ends.

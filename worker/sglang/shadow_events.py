@@ -56,14 +56,7 @@ def supported(tree_cache: Any) -> str | None:
 class EventShadow(ShadowCache):
     def __init__(self, tree_cache: Any) -> None:
         """``ShadowCache``'s state, without its recorder hooks: ``take_events`` is wrapped."""
-        self.cache = tree_cache
-        self.page = 1
-        self.trees = {}
-        self.epoch = 0
-        self.dirty = False
-        self.num_rebuilds = 0
-        self.num_matches = 0
-        self._memo = {}
+        self._init_state(tree_cache, page=1)
         self.decoder = KVEventDecoder()
         self._kept: list = []  # events taken for the shadow, not yet given to SGLang's publisher
         self._following = True
@@ -131,9 +124,7 @@ class EventShadow(ShadowCache):
                 log.exception("sgl-fair: event shadow failed; exact matches")
             self.dirty = True
             return
-        if len(self._memo) > 2 * len(waiting_queue) + 256:
-            live = {r.rid for r in waiting_queue}
-            self._memo = {rid: e for rid, e in self._memo.items() if rid in live}
+        self._prune_memo(waiting_queue)
 
     def _begin_pass(self) -> None:
         self.sync()
