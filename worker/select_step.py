@@ -56,6 +56,9 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
         swap_in += more
     while not chunks and not decode and sched.running:  # no progress: retract until some
         decode, more = _grow(sched, _decode_memory(sched, list(sched.running)))
+        if more is not None:  # an RT's growth may have overwritten a BE grown before it
+            decode, again = restore_checkpointed(sched, decode, allocated=True)
+            more += again
         swap_in = None if swap_in is None else swap_in + (more or 0)
         if decode or len(sched.running) <= 1:
             break

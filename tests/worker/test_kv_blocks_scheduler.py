@@ -8,7 +8,7 @@ bidirectional`` with vtc/fcfs/dlpm died with OutOfMemory on the first checkpoint
 from __future__ import annotations
 
 from conftest import assert_finished_exactly, drive, unique_tokens
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sgl_fair.policies import make_policy
@@ -65,6 +65,20 @@ def test_default_path_restores_checkpointed_be_requests() -> None:
 
 
 @settings(max_examples=60, deadline=None)
+@example(  # found by this test: rr's no-progress retry grew an RT into a BE grown before it
+    [
+        (False, "a", 1, 17, 0.46875),
+        (False, "a", 13, 19, 0.375),
+        (False, "a", 55, 1, 0.0),
+        (False, "a", 86, 29, 0.0),
+        (True, "a", 135, 24, 0.125),
+        (True, "a", 134, 24, 0.125),
+        (True, "a", 144, 20, 0.375),
+    ],
+    "rr",
+    "bidirectional",
+    False,
+)
 @given(
     st.lists(
         st.tuples(
