@@ -240,8 +240,9 @@ class Scheduler:
                 decode, swap_in = decode_restoring(self)
             else:
                 decode = self.running
-                for req in decode:
-                    self.kv.allocate(req, 1)
+                done = self.kv.allocate_each(decode)
+                if done < len(decode):
+                    self.kv.allocate(decode[done], 1)  # raises: _ensure_decode_memory erred
             self._blocked_decode_steps = (
                 self._blocked_decode_steps + 1 if self._admission_blocked else 0
             )

@@ -103,23 +103,47 @@ def decode_restoring(sched: Scheduler) -> tuple[list[Request], int]:
 def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int | None]:
     """Restore and allocate each chosen decode's next slot; one that cannot sits out."""
     decode, swap_in = restore_checkpointed(sched, decode)
+    if swap_in is None:  # nothing is ever checkpointed: the whole batch's slots in one call
+        return _grow_resident(sched, decode), None
     ready: list[Request] = []
-    for req in decode:
+    for req in decode:  # one by one: an RT request's growth may checkpoint a later BE one
         if sched.checkpointed_slots(req) or req.phase is not Phase.RUNNING:
             continue
-        # Blocks, not tokens, may be short: retract paused requests (BE first) for room.
         while True:
             try:
                 sched.kv.allocate(req, 1)  # checks before it changes anything
             except OutOfMemory:
-                paused = [r for r in sched.running if r not in decode]
-                if not paused:
+                if not _retract_paused(sched, decode):
                     break
-                sched._retract(sched._victim(paused))
             else:
                 ready.append(req)
                 break
     return ready, swap_in
+
+
+def _grow_resident(sched: Scheduler, decode: list[Request]) -> list[Request]:
+    """``_grow`` where no KV is ever on the host: ``PrefixKVCache.allocate_each`` over the
+    running decodes, resuming after the one that did not fit."""
+    todo = [r for r in decode if r.phase is Phase.RUNNING]
+    ready: list[Request] = []
+    i = 0
+    while i < len(todo):
+        k = sched.kv.allocate_each(todo[i:])
+        ready.extend(todo[i : i + k])
+        i += k
+        if i < len(todo) and not _retract_paused(sched, decode):
+            i += 1  # no room for it: it sits out
+    return ready
+
+
+def _retract_paused(sched: Scheduler, decode: list[Request]) -> bool:
+    """Blocks, not tokens, may be short: retract one paused request (BE first) for room;
+    False when every running request is a chosen decode."""
+    paused = [r for r in sched.running if r not in decode]
+    if not paused:
+        return False
+    sched._retract(sched._victim(paused))
+    return True
 
 
 def restore_checkpointed(

@@ -51,6 +51,11 @@ from sgl_fair.request import Request, ServiceClass
 INNER_POLICIES = ("none", "vtc", "dlpm")
 
 
+def _unserved(client: str) -> float:
+    """The BE phase's service key without an inner fairness policy: every client alike."""
+    return 0.0
+
+
 @register("bros")
 class BROS(BasePolicy):
     @dataclass(frozen=True)
@@ -239,9 +244,12 @@ class BROS(BasePolicy):
             return
         view = batch.view
         checkpointed = getattr(view, "checkpointed_slots", None)
-        slots = {id(r): checkpointed(r) if checkpointed else 0 for r in be}
+        slots = {id(r): checkpointed(r) for r in be} if checkpointed else {}
         served = self._served_key()
-        be.sort(key=lambda r: (served(r.client), slots[id(r)], r.arrival_s, r.seq))
+        if served is _unserved and not any(slots.values()):  # the paper's order: by arrival
+            be.sort(key=Request.arrival_key)
+        else:
+            be.sort(key=lambda r: (served(r.client), slots.get(id(r), 0), r.arrival_s, r.seq))
         # Scheduled RT that could skip this iteration and still meet the next deadline.
         swappable = [r for r in batch.items if r.service_class is ServiceClass.RT]
         # While the batch only grows, T_iter only grows: BE work priced over the residual
@@ -282,7 +290,7 @@ class BROS(BasePolicy):
     def _served_key(self) -> Callable[[str], float]:
         inner = self.inner
         if inner is None:
-            return lambda client: 0.0
+            return _unserved
         if hasattr(inner, "counter"):
             return inner.counter  # VTC: least counter = least served
         return lambda client: -inner.deficit(client)  # DLPM: most deficit left

@@ -117,15 +117,24 @@ class _Batch:
         self._decodes: dict[int, int] = {}  # id(req) -> context length
         self._chunk_list: list[tuple[int, int]] = []  # the values above, in a list each
         self._decode_list: list[int] = []
+        # id(req) -> its work: nothing the batch prices changes while it is built, and the BE
+        # phase asks for one request's work up to three times (key, price, add).
+        self._works: dict[int, tuple[tuple[int, int] | None, int | None]] = {}
 
     def __len__(self) -> int:
         return len(self.items)
 
     def _work(self, req: Request) -> tuple[tuple[int, int] | None, int | None]:
-        if req.phase is Phase.RUNNING:
-            return None, req.seq_len
-        cached = min(self.view.prefix_len(req), req.seq_len - 1)
-        return (req.seq_len - cached, cached), None
+        work = self._works.get(id(req))
+        if work is None:
+            seq_len = req.seq_len
+            if req.phase is Phase.RUNNING:
+                work = None, seq_len
+            else:
+                cached = min(self.view.prefix_len(req), seq_len - 1)
+                work = (seq_len - cached, cached), None
+            self._works[id(req)] = work
+        return work
 
     def work_key(self, req: Request) -> tuple[int, int, int, int]:
         """What ``req`` adds to ``T_iter``: (0, extend, cached, swap-in) for a prefill,

@@ -365,3 +365,55 @@ def test_the_kept_emptiest_order_matches_a_rescan_after_few_or_many_changes() ->
         alloc.free(f"r{i}")  # a few: one by one
         alloc.layout.check()
     assert alloc.layout.emptiest(0)[0][0] == 0  # free blocks (no run on the other side) first
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    num_blocks=st.integers(2, 12),
+    block_size=st.sampled_from([1, 3, 4]),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    cached=st.integers(0, 6),
+    steps=st.integers(1, 12),
+)
+def test_allocate_each_is_allocate_one_owner_after_another(
+    num_blocks: int, block_size: int, sizes: list[int], cached: int, steps: int
+) -> None:
+    """A decode step's growth in one call (the paged allocator's in-room fast path) leaves
+    exactly the state that ``allocate(owner, 1)`` per owner leaves, stopping at the same
+    owner when the pool runs out (evicting cached tokens the same way on the way)."""
+
+    def build() -> tuple[PrefixKVCache, list[str]]:
+        kv = PrefixKVCache(PagedAllocator(num_blocks * block_size, block_size=block_size))
+        if cached:  # evictable tokens: growth past the free blocks evicts them
+            tokens = seq(1, cached)
+            handle = kv.acquire_prefix(tokens, limit=cached)
+            if kv.can_allocate("c", cached):
+                kv.allocate("c", cached)
+                kv.release("c", kv.commit("c", tokens, handle))
+            else:
+                kv.tree.unlock(handle.node)
+        owners = []
+        for i, n in enumerate(sizes):
+            if kv.can_allocate(f"r{i}", n):
+                kv.allocate(f"r{i}", n)
+                owners.append(f"r{i}")
+        return kv, owners
+
+    batched, owners = build()
+    single, _ = build()
+    for _ in range(steps):
+        got = batched.allocate_each(owners)
+        want = 0
+        for owner in owners:
+            try:
+                single.allocate(owner, 1)
+            except OutOfMemory:
+                break
+            want += 1
+        assert got == want
+        for owner in owners:
+            assert batched.allocator.block_table(owner) == single.allocator.block_table(owner)
+            assert batched.allocator.held(owner) == single.allocator.held(owner)
+        assert check(batched) == check(single)
+        if got < len(owners):
+            break

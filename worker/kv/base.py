@@ -6,6 +6,13 @@ replace it without touching the scheduler. Owners are opaque hashable keys: a
 request object for its private KV, ``CACHE`` for tokens held by the radix tree.
 
 Invariant (``check_invariants``): ``free + Σ held(owner) == capacity``.
+
+Optional, beside the protocol: ``extend_in_room(owners, start) -> int`` gives each owner
+from ``start`` on one more token without taking a free block (its own room), in order, and
+returns the index of the first that needs more, unchanged. ``PrefixKVCache.allocate_each``
+(a decode step's growth) uses it as a fast path; an allocator without it is asked owner by
+owner (``PagedAllocator`` has it; the bidirectional one does not: its RT growth may
+checkpoint BE slots, which needs the whole ``allocate``).
 """
 
 from __future__ import annotations

@@ -31,11 +31,11 @@ tokens empties no whole block it can promise what this allocator then refuses (O
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sgl_fair.worker.kv.base import OutOfMemory
-from sgl_fair.worker.kv.layout import BlockLayout, Piece
+from sgl_fair.worker.kv.layout import BlockLayout
 from sgl_fair.worker.kv.registry import register_allocator
 
 DEFAULT_BLOCK_SIZE = 16  # the BROS paper's §7.1 setting, for BROS, vLLM and RR alike
@@ -90,19 +90,9 @@ class PagedAllocator:
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
         layout = self.layout
-        if num_tokens == 1:  # a decode token: most often one more slot in the owner's room
-            segs = layout.segs.get(owner)
-            last = segs[-1] if segs else None
-            if isinstance(last, Piece) and not last.side:
-                left, right = layout.sides[last.block]
-                end = last.end
-                if (
-                    len(left) == 1  # `last` alone on the left: innermost there
-                    and not right
-                    and end < self.block_size
-                ):
-                    layout.extend(last, 1)
-                    return
+        # A decode token: most often one more slot in the owner's room.
+        if num_tokens == 1 and layout.extend_alone_each((owner,)) == 1:
+            return
         piece = layout.growable(owner, 0)
         room = 0 if piece is None else layout.room(piece)
         if not 0 <= num_tokens <= room + self.num_free_tokens():
@@ -116,6 +106,12 @@ class PagedAllocator:
         if num_tokens > in_room:
             for block, k in layout.fresh(0, num_tokens - in_room):  # whole free blocks
                 layout.grow(owner, 0, block, k)
+
+    def extend_in_room(self, owners: Sequence[Hashable], start: int = 0) -> int:
+        """One token for each owner from ``start`` on, in its own room (no new block), in
+        order; returns the index of the first owner that needs more (left unchanged). The
+        optional decode fast path ``PrefixKVCache.allocate_each`` uses."""
+        return self.layout.extend_alone_each(owners, start)
 
     def free(self, owner: Hashable, num_tokens: int | None = None) -> None:
         """Free ``owner``'s last ``num_tokens`` tokens (all when None); emptied blocks go back."""

@@ -70,6 +70,7 @@ class PrefixKVCache:
                 if fn is not None:
                     fn()
         self._classed = hasattr(allocator, "set_class")  # places requests by RT/BE class
+        self._extend_in_room = getattr(allocator, "extend_in_room", None)  # base.py: optional
         self.tree = tree if tree is not None else RadixTree()
         self.num_evicted_tokens = 0
         # Evicted blocks ``(path, start)`` not yet reported; None = nobody listens (a single
@@ -230,6 +231,25 @@ class PrefixKVCache:
                 out.extend(node.slots)
             stack.extend(node.children.values())
         return out
+
+    def allocate_each(self, owners: Sequence[Hashable]) -> int:
+        """``allocate(owner, 1)`` for each owner in order (a decode step's growth); returns
+        how many got their token: all, or those before the first that raised OutOfMemory
+        (it and the rest unchanged). Tokens in an owner's own room go through the allocator's
+        ``extend_in_room`` in one call while a free block remains (with none, ``allocate``
+        evicts first, and so does this), the others through ``allocate``."""
+        fast, n, i = self._extend_in_room, len(owners), 0
+        while i < n:
+            if fast is not None and self.allocator.num_free_tokens() > 0:
+                i = fast(owners, i)
+                if i == n:
+                    break
+            try:
+                self.allocate(owners[i], 1)
+            except OutOfMemory:
+                return i
+            i += 1
+        return n
 
     def allocate(self, owner: Hashable, num_tokens: int) -> None:
         kw = self._class_of(owner)
