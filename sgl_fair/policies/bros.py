@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,9 @@ from sgl_fair.policies.bros_batch import _Batch, _free_iteration, _Frontier, _Me
 from sgl_fair.request import Request, ServiceClass
 
 INNER_POLICIES = ("none", "vtc", "dlpm")
+
+
+_BY_ARRIVAL = operator.attrgetter("arrival_s", "seq")  # Request.arrival_key, in C
 
 
 def _unserved(client: str) -> float:
@@ -247,7 +251,7 @@ class BROS(BasePolicy):
         slots = {id(r): checkpointed(r) for r in be} if checkpointed else {}
         served = self._served_key()
         if served is _unserved and not any(slots.values()):  # the paper's order: by arrival
-            be.sort(key=Request.arrival_key)
+            be.sort(key=_BY_ARRIVAL)
         else:
             be.sort(key=lambda r: (served(r.client), slots.get(id(r), 0), r.arrival_s, r.seq))
         # Scheduled RT that could skip this iteration and still meet the next deadline.
