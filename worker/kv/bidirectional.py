@@ -154,7 +154,7 @@ class BidirectionalAllocator:
         Kept per block (``rt_room.RTRoom``)."""
         if self._checked_class(None, request_class) == BE:
             return self.layout.num_empty
-        return self._rt_room.value(len(self._free_host))
+        return self._rt_room.value(self.num_free_host_blocks())
 
     def pin(self, owner: Hashable) -> None:
         """Keep RT from overwriting ``owner``'s slots until ``unpin_all`` (a scheduler pins
@@ -194,6 +194,10 @@ class BidirectionalAllocator:
 
     def host_used_tokens(self) -> int:
         return sum(self._ckpt.values())
+
+    def num_free_host_blocks(self) -> int:
+        """Host blocks left for lazy checkpoints (each holds one block's overwritten slots)."""
+        return len(self._free_host)
 
     def owners(self) -> list[Hashable]:
         return list(self.layout.segs)
@@ -434,7 +438,7 @@ class BidirectionalAllocator:
     def check_invariants(self) -> None:
         size, layout, host_blocks = self.block_size, self.layout, set()
         layout.check()
-        host_left = len(self._free_host)
+        host_left = self.num_free_host_blocks()
         assert self._rt_room.value(host_left) == self._rt_room.scan(host_left), "stale RT room"
         for owner, segs in layout.segs.items():
             ckpt = 0

@@ -40,7 +40,7 @@ def plan(alloc: Any, owner: Hashable, cls: str, need: int, skip: frozenset = fro
         need -= grants[-1][1]
     if not need:
         return grants
-    host_left = len(alloc._free_host)
+    host_left = alloc.num_free_host_blocks()
     host_left += sum(not isinstance(s, Piece) for o in skip for s in layout.segs.get(o, ()))
     taken = set(free_ids)
     if cur is not None:
