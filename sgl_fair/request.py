@@ -45,6 +45,25 @@ DEFAULT_TPOT_SLO_S = 0.2
 # per-request `sampling_params.custom_params` (carried to its scheduler; SGLang keeps its own
 # per-request keys there too). Our bridge writes it, our plugin and our server read it.
 SLO_PARAM = "sgl_fair_slo_s"
+MAX_SLO_S = 3600.0  # the largest SLO a request may ask for (seconds)
+
+
+def valid_slo(v: Any) -> bool:
+    """Whether ``v`` is an SLO: a number (not a bool), finite, in (0, MAX_SLO_S]."""
+    return (type(v) is int or type(v) is float) and 0 < v <= MAX_SLO_S
+
+
+def slo_pair(value: Any) -> tuple[float, float] | None:
+    """``(ttft_slo_s, tpot_slo_s)`` from ``SLO_PARAM``'s value, or None when it is not two
+    SLOs (``valid_slo``). The one contract for that key: our server refuses a request
+    whose value fails it, naming the field; our SGLang plugin, which must never raise inside
+    SGLang's scheduler, ignores the value instead."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    if not (valid_slo(value[0]) and valid_slo(value[1])):
+        return None
+    return float(value[0]), float(value[1])
+
 
 _seq = itertools.count()
 

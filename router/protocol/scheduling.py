@@ -27,15 +27,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_fair.request import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S, ServiceClass
+from sgl_fair.request import (
+    DEFAULT_TPOT_SLO_S,
+    DEFAULT_TTFT_SLO_S,
+    MAX_SLO_S,
+    ServiceClass,
+    valid_slo,
+)
 from sgl_fair.router.protocol.errors import ProtocolError
-from sgl_fair.router.protocol.requests_common import _bad, _int, _num
+from sgl_fair.router.protocol.requests_common import _bad, _int, _range_text
 
 PRIORITY_CLASSES = tuple(c.value for c in ServiceClass)  # ("rt", "be")
 MAX_INTERACTION_ID_LEN = 256
 MAX_APP_LEN = 128
 MAX_STAGE = 100_000
-MAX_SLO_S = 3600.0
 
 # body field -> header (lower-case) giving the same value
 HEADERS = {
@@ -99,7 +104,9 @@ def _label(v: Any, path: str, max_len: int) -> str:
 
 
 def _slo(v: Any, path: str) -> float:
-    return _num(v, path, 0.0, MAX_SLO_S, lo_open=True)
+    if not valid_slo(v):  # the core's contract, shared with the SGLang plugin
+        raise _bad(path, f"a number {_range_text(0.0, MAX_SLO_S, lo_open=True)}", v)
+    return float(v)
 
 
 _CHECKS = {

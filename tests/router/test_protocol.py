@@ -1045,3 +1045,36 @@ def test_generate_reads_the_slos_an_sgl_fair_bridge_sends_in_custom_params():
     mixed = {"custom_params": {SLO_PARAM: [0.25, 0.1], "other": 1}}
     with pytest.raises(ProtocolError, match="not possible on the simulated engine"):
         parse_generate(j({**body, "sampling_params": mixed}))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [0.25, 0.1],
+        [1, 3600],
+        [0.25, 3600.5],  # over MAX_SLO_S: the plugin accepted it before the shared contract
+        [0, 0.1],
+        [-1, 0.1],
+        [True, 0.1],
+        [0.2, None],
+        [0.2, "0.1"],
+        [0.2],
+        [0.2, 0.1, 0.1],
+        "x",
+        {"ttft": 0.2},
+    ],
+)
+def test_the_server_and_the_plugin_share_one_slo_contract(value):
+    """``sgl_fair.request.slo_pair`` is what the SGLang plugin reads (``slos_of``); the server
+    refuses exactly the values it ignores, and reads the same SLOs from the rest."""
+    from sgl_fair.request import SLO_PARAM, slo_pair
+
+    body = {"input_ids": [1, 2], "sampling_params": {"custom_params": {SLO_PARAM: value}}}
+    want = slo_pair(value)
+    if want is None:
+        with pytest.raises(ProtocolError) as e:
+            parse_generate(j(body))
+        assert e.value.status == 400 and SLO_PARAM in e.value.param
+    else:
+        hints = parse_generate(j(body)).items[0].hints
+        assert (hints.ttft_slo_s, hints.tpot_slo_s) == want

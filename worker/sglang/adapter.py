@@ -38,7 +38,6 @@ code with SGLang's real ``Req``, ``RadixCache`` and ``PrefillAdder`` on a CPU.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +49,7 @@ from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.mem_cache.common import match_kv_cache
 
 from sgl_fair.policies.base import Policy, Rejection
-from sgl_fair.request import DEFAULT_CLIENT, SLO_PARAM, Phase, Request, ServiceClass
+from sgl_fair.request import DEFAULT_CLIENT, SLO_PARAM, Phase, Request, ServiceClass, slo_pair
 from sgl_fair.worker.sglang import shadow as shadow_mod
 from sgl_fair.worker.sglang import shadow_events
 from sgl_fair.worker.sglang.settings import RT_PRIORITY
@@ -96,16 +95,9 @@ def mirror_of(req: Req, now: float) -> Request:
 
 def slos_of(req: Req) -> tuple[float, float] | None:
     """An RT request's (TTFT, TPOT) SLOs, as our bridge sends them (``SLO_PARAM`` in
-    ``custom_params``); None when absent or not two positive finite numbers."""
+    ``custom_params``); None when absent or not valid (``sgl_fair.request.slo_pair``)."""
     params = getattr(req.sampling_params, "custom_params", None)
-    value = params.get(SLO_PARAM) if isinstance(params, dict) else None
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        return None
-    if not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in value
-    ):
-        return None
-    return float(value[0]), float(value[1])
+    return slo_pair(params.get(SLO_PARAM)) if isinstance(params, dict) else None
 
 
 def class_of(req: Req) -> ServiceClass:
