@@ -107,7 +107,10 @@ class MatchMemo(NamedTuple):
     A request's match can only grow if a branch is added at the node where it ended, or
     inside the edge it partly matched (which first splits that edge: the split bumps the
     node); it can only shrink if the child it ran into is removed. All three bump
-    ``node.version``; changes elsewhere in the tree leave the memo valid.
+    ``node.version``; changes elsewhere in the tree leave the memo valid. One case is
+    checked more finely (``RadixTree.memo_match``): nothing matched (at the root, whose
+    version every new first token bumps) stays so while no edge starts with the prompt's
+    first token.
     """
 
     node: Node
@@ -210,6 +213,8 @@ class RadixTree:
             node = memo.node
             if node.version == memo.version and (node.parent is not None or node is self.root):
                 return memo
+            if not memo.length and node is self.root and tokens and tokens[0] not in node.children:
+                return memo  # a unique prompt: still no edge to enter
         m = self.match(tokens, touch=False)
         return MatchMemo(m.node, m.node.version, m.length)
 
