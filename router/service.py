@@ -491,7 +491,9 @@ class RouterService:
                 where = "router" if msg.worker < 0 else "worker"
                 self.telemetry.throttled(call.tenant, call.req.app, throttle.limit, where)
             return
-        outcome = "ok" if msg.ok else ("stopped" if call.aborted == "stop" else "aborted")
+        # A call the router ended at its stop string completed, as one the worker ended does:
+        # which of the two ends it first is a race, so both count "ok".
+        outcome = "ok" if msg.ok or call.aborted == "stop" else "aborted"
         self.telemetry.finished(
             call.tenant,
             outcome=outcome,

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import openai
-from live_helpers import launched
+from live_helpers import launched, metric
 
 ARGS = ("--dp", "1", "--time-scale", "inf", "--context-length", "4096")
 
@@ -62,3 +62,13 @@ def test_stop_strings_fire_on_simulated_text(tmp_path):
         plain = client.completions.create(model="default", prompt="a", max_tokens=200)
         text = plain.choices[0].text
         assert "." in text and "," in text  # it reads like text
+        # Every call completed: one the router cut at its stop string counts "ok" as one the
+        # worker ended does (which ends it first is a race), never "aborted".
+        name, deadline = "sgl_fair_tenant_requests_total", time.monotonic() + 5
+        while True:
+            metrics = httpx.get(s.url + "/metrics").text
+            if metric(metrics, name, outcome="ok") == 19 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert metric(metrics, name, outcome="ok") == 19
+        assert metric(metrics, name) == 19
