@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sgl_fair.experiment import bros, cli
+from sgl_fair.experiment import bros, bros_workload, cli
 
 ROW_FIELDS = {
     "policy",
@@ -68,7 +68,7 @@ def test_token_clock_counts_each_rt_token_against_the_tpot_slo():
     a = Request("a", "c", (1, 2), 4, 0.0, service_class=ServiceClass.RT, tpot_slo_s=0.2)
     b = Request("b", "c", (1, 2), 4, 0.0, service_class=ServiceClass.RT, tpot_slo_s=0.2)
     be = Request("x", "c", (1, 2), 4, 0.0, service_class=ServiceClass.BE)
-    clock = bros.TokenClock()
+    clock = bros_workload.TokenClock()
     clock.tick([a, be], 1.0)  # a's first token: TTFT's, not TPOT's
     clock.tick([a, be], 1.1)  # on time
     clock.tick([a], 1.5)  # 0.4 s late
