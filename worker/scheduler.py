@@ -121,6 +121,15 @@ class Scheduler:
         cached = min(self.prefix_len(req), req.seq_len - 1)
         return req.seq_len - cached + min(req.remaining_new_tokens, self.config.clip_max_new_tokens)
 
+    def continued_chunk(self) -> tuple[int, int] | None:
+        """``(new tokens, context)`` of the prefill chunk this step runs before anything a
+        policy picks: the rest of a prompt chunked over steps (one at a time, as SGLang)."""
+        req = self.chunked
+        if req is None:
+            return None
+        done = req.num_computed
+        return min(req.seq_len - done, self.config.chunked_prefill_size), done
+
     def kv_room(self, req: Request) -> float:
         """Room the admission test gives ``req`` now (for its class: an RT request may
         overwrite BE KV under bidirectional blocks), net of the running requests' reservation."""

@@ -8,8 +8,9 @@ and chunked-prefill continuation, so memory and budget rules are those of the de
 2. chosen running requests decode: checkpointed KV (bidirectional blocks) is restored first,
    memory is made by retracting *unchosen* (paused) requests first; one that still cannot
    grow sits the iteration out;
-3. ``scheduler.chunked`` continues; chosen waiting requests are admitted in the chosen order
-   (room for the first is made by retracting paused requests);
+3. ``scheduler.chunked`` continues (``Scheduler.continued_chunk()`` tells the policy that
+   chunk beforehand); chosen waiting requests are admitted in the chosen order (room for the
+   first is made by retracting paused requests);
 4. one mixed ``Batch`` (prefill chunks + decodes); unchosen running requests keep their KV.
 
 Functions, not methods, to keep ``scheduler.py`` small; they are the scheduler's own code.

@@ -193,7 +193,8 @@ class BROS(BasePolicy):
             return []
         if cost is not self._cost:  # the scheduler passes the same callable every iteration
             self._cost, self._cost_swap = cost, _takes_swap_in(cost)
-        batch = _Batch(cost, view, self._cost_swap)
+        continued = getattr(view, "continued_chunk", None)
+        batch = _Batch(cost, view, self._cost_swap, continued() if continued else None)
         mem = _Memory(view)
         rt, be = [], []
         for r in candidates:

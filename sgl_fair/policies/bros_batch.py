@@ -105,17 +105,24 @@ class _Batch:
     """The batch under construction and its ``T_iter`` (cost callable, re-evaluated on demand)."""
 
     def __init__(
-        self, cost: Callable[..., float], view: SchedulerView, swap_ok: bool = False
+        self,
+        cost: Callable[..., float],
+        view: SchedulerView,
+        swap_ok: bool = False,
+        fixed: tuple[int, int] | None = None,
     ) -> None:
         self.cost = cost
         self.view = view
+        # Work the step runs whatever is picked (the scheduler's chunked-prefill continuation,
+        # ``view.continued_chunk()``): priced in T_iter, never an item.
+        self._fixed: list[tuple[int, int]] = [fixed] if fixed else []
         checkpointed = getattr(view, "checkpointed_slots", None) if swap_ok else None
         self._ckpt = checkpointed  # KV tokens a request has on the host (None: not counted)
         self._swap: dict[int, int] = {}  # id(req) -> tokens to swap in before it runs
         self.items: list[Request] = []
         self._chunks: dict[int, tuple[int, int]] = {}  # id(req) -> prefill chunk
         self._decodes: dict[int, int] = {}  # id(req) -> context length
-        self._chunk_list: list[tuple[int, int]] = []  # the values above, in a list each
+        self._chunk_list: list[tuple[int, int]] = list(self._fixed)  # with those above
         self._decode_list: list[int] = []
         # id(req) -> its work: nothing the batch prices changes while it is built, and the BE
         # phase asks for one request's work up to three times (key, price, add).
@@ -163,7 +170,7 @@ class _Batch:
         self.items.remove(req)
         self._chunks.pop(id(req), None)
         self._decodes.pop(id(req), None)
-        self._chunk_list = list(self._chunks.values())  # rare (a swap): rebuild
+        self._chunk_list = self._fixed + list(self._chunks.values())  # rare (a swap): rebuild
         self._decode_list = list(self._decodes.values())
         self._swap.pop(id(req), None)
 
@@ -173,7 +180,7 @@ class _Batch:
             swap = sum(self._swap.values()) if self._swap else 0
         else:
             gone = id(without)
-            chunks = [v for k, v in self._chunks.items() if k != gone]
+            chunks = self._fixed + [v for k, v in self._chunks.items() if k != gone]
             decodes = [v for k, v in self._decodes.items() if k != gone]
             swap = sum(v for k, v in self._swap.items() if k != gone)
         return self._price(chunks, decodes, swap, extra)

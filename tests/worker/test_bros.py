@@ -86,6 +86,29 @@ def test_be_never_pushes_rt_past_its_deadline():
     ) <= bros.remaining_s(rt, 1.0)
 
 
+def test_the_schedulers_chunked_continuation_is_priced_before_any_pick():
+    """The scheduler runs the rest of a chunked prompt before anything a policy picks
+    (``view.continued_chunk()``): BROS counts it in T_iter, so it never promises an RT a
+    residual that chunk already took. It is work, not a pick."""
+    rt = req("rt", RT, arrival=0.0, decoded=3)  # TPOT deadline: 150 ms left (below)
+    be = req("be", BE, input_len=60)  # alone with rt: 0.010 + 0.001 + 0.060 = 71 ms: fits
+
+    def chosen_with(chunk):
+        view = FakeView(now=1.0)
+        view.continued_chunk = lambda: chunk
+        bros = make_policy("bros")
+        bros._t_last[id(rt)] = 0.95
+        return bros.select_batch([rt, be], view, linear_cost), bros
+
+    picked, _ = chosen_with(None)
+    assert picked == [rt, be]
+    picked, bros = chosen_with((100, 400))  # 100 more ms of prefill: only rt fits beside it
+    assert picked == [rt]
+    assert bros.t_bar_s > make_policy("bros").t_bar_s  # its estimate includes the chunk
+    picked, _ = chosen_with((500, 0))  # over the residual alone: rt (most urgent) still runs
+    assert picked == [rt]
+
+
 def test_early_return_resets_b_and_skips_be():
     bros = make_policy("bros", b0=8)
     bros.batch_limit = 20
@@ -472,3 +495,27 @@ def test_order_for_hosts_without_batch_selection_puts_urgent_rt_first_then_fair_
     assert [r.rid for r in no_inner.order(waiting, view)] == [
         "rt-old", "rt-late", "h0", "h1", "light"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["bros", "fcfs"])
+def test_continued_chunk_is_the_chunk_the_step_runs_first(policy):
+    """``Scheduler.continued_chunk()`` before a step names the first prefill chunk of that
+    step while a prompt is chunked over steps (both paths: batch selection and the walk)."""
+    sched = make_scheduler(policy, capacity=20_000, chunked_prefill_size=64)
+    long = Request("long", "c", unique_tokens(300), 4, 0.0, service_class=BE)
+    short = Request("short", "c", unique_tokens(20), 4, 0.0, service_class=RT)
+    seen = []
+
+    def check(s, now):
+        seen.append(s.continued_chunk())
+
+    def after(s, batch, now):
+        want = seen[-1]
+        if want is not None:
+            first = batch.prefill[0]
+            assert (first.num_tokens, first.start) == want and first.req is long
+
+    drive(sched, FixedEngine(), [long, short], before_step=check, after_step=after)
+    continued = [c for c in seen if c is not None]
+    assert len(continued) >= 3 and all(n == 64 for n, _ in continued[:-1])  # the case ran
+    assert sum(continued[-1]) == 300  # the last chunk ends the prompt
