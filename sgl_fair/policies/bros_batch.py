@@ -89,7 +89,10 @@ class _Frontier:
 
     def dominates(self, key: tuple[int, int, int, int]) -> bool:
         kind, a, b, swap = key
-        return any(k == kind and a >= ka and b >= kb and swap >= ks for k, ka, kb, ks in self._keys)
+        for k, ka, kb, ks in self._keys:  # noqa: SIM110 (hot: a loop, not a generator per call)
+            if k == kind and a >= ka and b >= kb and swap >= ks:
+                return True
+        return False
 
     def add(self, key: tuple[int, int, int, int]) -> None:
         if self.dominates(key):
