@@ -258,6 +258,25 @@ class BlockLayout:
             self.num_empty -= 1
         return len(owners)
 
+    def grow_free(self, owner: Hashable, side: int, grants: Sequence[tuple[int, int]]) -> None:
+        """``grow(owner, side, block, k)`` for each ``(block, k)`` of ``grants``, every block
+        free (``fresh`` when whole free blocks cover the need): a new piece in each, in one
+        loop (a prompt's blocks at admission)."""
+        mine = self.segs.setdefault(owner, [])
+        free, sides = self.free_blocks, self.sides
+        touched, order_touched = self.touched, self._order_touched
+        total = 0
+        for block, k in grants:
+            piece = Piece(owner, block, side, 0, k)
+            free.discard(block)
+            sides[block][side].append(piece)
+            touched.add(block)
+            order_touched.add(block)
+            mine.append(piece)
+            total += k
+        bump(self.held, owner, total)
+        self.num_empty -= total
+
     def extend(self, piece: Piece, k: int) -> None:
         self._touch(piece.block)
         piece.length += k
