@@ -125,7 +125,7 @@ class BlockLayout:
         }
         return heapq.nsmallest(k, pool - taken if taken else pool)
 
-    def _lowest_free(self, k: int, taken: set | frozenset) -> list[int]:
+    def _lowest_free(self, k: int, taken: set | frozenset, keep: bool = True) -> list[int]:
         heap, free = self._free_heap, self.free_blocks
         if len(heap) > 2 * self.num_blocks + 64:  # mostly stale: rebuild
             heap[:] = sorted(free)
@@ -138,7 +138,7 @@ class BlockLayout:
                 continue  # a duplicate (freed twice since it surfaced) or stale
             last = block
             (aside if block in taken else out).append(block)
-        for block in out + aside:
+        for block in out + aside if keep else aside:  # not keep: the caller takes `out`
             heapq.heappush(heap, block)
         return out
 
@@ -257,6 +257,15 @@ class BlockLayout:
             held[owner] += 1  # the owner holds this piece's tokens: present in `held`
             self.num_empty -= 1
         return len(owners)
+
+    def grow_fresh(self, owner: Hashable, side: int, need: int) -> None:
+        """``grow_free(owner, side, fresh(side, need))`` where whole free blocks cover ``need``
+        (the caller checked), the lowest ids first, taken off the free heap for good."""
+        size = self.block_size
+        ids = self._lowest_free(-(-need // size), NO_ONE, keep=False)
+        if len(ids) * size < need:
+            raise ValueError(f"{need} tokens need {-(-need // size)} free blocks, {len(ids)} left")
+        self.grow_free(owner, side, [(b, min(size, need - i * size)) for i, b in enumerate(ids)])
 
     def grow_free(self, owner: Hashable, side: int, grants: Sequence[tuple[int, int]]) -> None:
         """``grow(owner, side, block, k)`` for each ``(block, k)`` of ``grants``, every block

@@ -104,7 +104,7 @@ class PagedAllocator:
         if in_room:
             layout.extend(piece, in_room)
         if num_tokens > in_room:
-            layout.grow_free(owner, 0, layout.fresh(0, num_tokens - in_room))  # free blocks
+            layout.grow_fresh(owner, 0, num_tokens - in_room)  # whole free blocks
 
     def extend_in_room(self, owners: Sequence[Hashable], start: int = 0) -> int:
         """One token for each owner from ``start`` on, in its own room (no new block), in
