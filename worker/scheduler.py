@@ -45,6 +45,7 @@ from sgl_fair.worker.scheduler_state import (  # re-exported: their home for cal
     enqueue,
     without,
 )
+from sgl_fair.worker.scheduler_view import SchedulerViewMixin
 from sgl_fair.worker.select_step import decode_restoring, restore_checkpointed, step_selected
 
 __all__ = ["IterationCost", "RunLog", "Scheduler", "SchedulerConfig", "SchedulerStats"]
@@ -54,12 +55,7 @@ __all__ = ["IterationCost", "RunLog", "Scheduler", "SchedulerConfig", "Scheduler
 IterationCost = Callable[..., float]
 
 
-class Scheduler:
-    def kv_usage(self) -> float:
-        """Share of the KV pool that is neither free nor evictable, in [0, 1]."""
-        capacity = self.kv.capacity_tokens
-        return 1.0 - self.kv.available_tokens() / capacity if capacity else 0.0
-
+class Scheduler(SchedulerViewMixin):
     def __init__(
         self,
         *,
@@ -101,39 +97,6 @@ class Scheduler:
         self._blocked_decode_steps = 0
         # Requests whose prefill is in the batch between step() and apply().
         self._in_batch: tuple[Request, ...] = ()
-
-    # ------------------------------------------------------------ SchedulerView
-
-    @property
-    def now(self) -> float:
-        return self._now
-
-    def prefix_len(self, req: Request) -> int:
-        memo = self._match_memo.get(req)
-        fresh = self.kv.memo_match(req.all_ids(), memo)
-        if fresh is not memo:
-            self._match_memo[req] = fresh
-        return fresh.length
-
-    def kv_need(self, req: Request) -> int:
-        """KV tokens admitting waiting ``req`` takes in the admission test: its uncached
-        prompt plus its reserved output."""
-        cached = min(self.prefix_len(req), req.seq_len - 1)
-        return req.seq_len - cached + min(req.remaining_new_tokens, self.config.clip_max_new_tokens)
-
-    def continued_chunk(self) -> tuple[int, int] | None:
-        """``(new tokens, context)`` of the prefill chunk this step runs before anything a
-        policy picks: the rest of a prompt chunked over steps (one at a time, as SGLang)."""
-        req = self.chunked
-        if req is None:
-            return None
-        done = req.num_computed
-        return min(req.seq_len - done, self.config.chunked_prefill_size), done
-
-    def kv_room(self, req: Request) -> float:
-        """Room the admission test gives ``req`` now (for its class: an RT request may
-        overwrite BE KV under bidirectional blocks), net of the running requests' reservation."""
-        return self.kv.available_tokens(req) - self._reserved_tokens(req)
 
     # ------------------------------------------------------------ arrivals
 
@@ -416,15 +379,6 @@ class Scheduler:
     def _copies(self) -> tuple:
         """The KV copies this step's allocations and restores made (exact caches only)."""
         return tuple(self.kv.drain_copies())
-
-    def kv_slots(self, req: Request) -> list[int]:
-        """Flat device KV slots of ``req``'s positions, in order (exact caches only)."""
-        return self.kv.kv_slots(req, self._handles[req])
-
-    def checkpointed_slots(self, req: Request) -> int:
-        """KV tokens of ``req`` checkpointed to host (0 unless the allocator checkpoints)."""
-        fn = self._checkpointed_of  # BROS asks for every candidate, every iteration
-        return fn(req) if fn is not None else 0
 
     # ------------------------------------------------------------ memory pressure
 

@@ -1,0 +1,76 @@
+"""What the scheduler answers its policy (``sgl_fair.policies.base.SchedulerView``): the
+clock, cached prefix lengths, KV need and room per request, the chunk a step continues first,
+checkpointed and device slots, and the KV usage FairServe's OIT probes.
+
+A mixin of ``Scheduler`` (``worker/scheduler.py``), kept apart so that module stays about
+scheduling; it reads the scheduler's own state (``kv``, ``config``, ``chunked``, memo and
+prefix handles) and holds none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sgl_fair.request import Request
+
+if TYPE_CHECKING:
+    from sgl_fair.radix import MatchMemo
+    from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
+    from sgl_fair.worker.scheduler_state import SchedulerConfig
+
+
+class SchedulerViewMixin:
+    kv: PrefixKVCache
+    config: SchedulerConfig
+    chunked: Request | None
+    _now: float
+    _match_memo: dict[Request, MatchMemo]
+    _handles: dict[Request, PrefixHandle]
+    _checkpointed_of: Callable[[Request], int] | None
+    # and ``Scheduler._reserved_tokens(req)``: the running requests' reserved KV
+
+    def kv_usage(self) -> float:
+        """Share of the KV pool that is neither free nor evictable, in [0, 1]."""
+        capacity = self.kv.capacity_tokens
+        return 1.0 - self.kv.available_tokens() / capacity if capacity else 0.0
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    def prefix_len(self, req: Request) -> int:
+        memo = self._match_memo.get(req)
+        fresh = self.kv.memo_match(req.all_ids(), memo)
+        if fresh is not memo:
+            self._match_memo[req] = fresh
+        return fresh.length
+
+    def kv_need(self, req: Request) -> int:
+        """KV tokens admitting waiting ``req`` takes in the admission test: its uncached
+        prompt plus its reserved output."""
+        cached = min(self.prefix_len(req), req.seq_len - 1)
+        return req.seq_len - cached + min(req.remaining_new_tokens, self.config.clip_max_new_tokens)
+
+    def continued_chunk(self) -> tuple[int, int] | None:
+        """``(new tokens, context)`` of the prefill chunk this step runs before anything a
+        policy picks: the rest of a prompt chunked over steps (one at a time, as SGLang)."""
+        req = self.chunked
+        if req is None:
+            return None
+        done = req.num_computed
+        return min(req.seq_len - done, self.config.chunked_prefill_size), done
+
+    def kv_room(self, req: Request) -> float:
+        """Room the admission test gives ``req`` now (for its class: an RT request may
+        overwrite BE KV under bidirectional blocks), net of the running requests' reservation."""
+        return self.kv.available_tokens(req) - self._reserved_tokens(req)
+
+    def kv_slots(self, req: Request) -> list[int]:
+        """Flat device KV slots of ``req``'s positions, in order (exact caches only)."""
+        return self.kv.kv_slots(req, self._handles[req])
+
+    def checkpointed_slots(self, req: Request) -> int:
+        """KV tokens of ``req`` checkpointed to host (0 unless the allocator checkpoints)."""
+        fn = self._checkpointed_of  # BROS asks for every candidate, every iteration
+        return fn(req) if fn is not None else 0
