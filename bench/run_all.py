@@ -21,6 +21,8 @@ import bench_router  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
 import bench_sim_speed  # noqa: E402
 
+from sgl_fair.experiment import bros  # noqa: E402
+
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
@@ -34,12 +36,19 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def bros_overhead() -> dict:
+    """BROS's scheduler cost per iteration (issue 12), full length: rows and claims."""
+    out = bros.run_overhead(False, 0)
+    return {"rows": out["rows"], "claims": out["claims"]}
+
+
 def main() -> None:
     sys.argv = sys.argv[:1]
     results = {
         "date": dt.date.today().isoformat(),
         "machine": machine(),
         "sim_speed": bench_sim_speed.main(),
+        "bros_overhead": bros_overhead(),
         "policy_step": bench_policy_step.main(),
         "fairserve": bench_fairserve.main([]),
         "router": bench_router.main(),
