@@ -417,3 +417,15 @@ def test_allocate_each_is_allocate_one_owner_after_another(
         assert check(batched) == check(single)
         if got < len(owners):
             break
+
+
+def test_grow_fresh_refuses_more_than_the_free_blocks_and_loses_none():
+    """``BlockLayout.grow_fresh`` takes blocks off the free heap for good; asked for more
+    than is free (a caller's bug) it says so and every free block stays allocatable."""
+    alloc = PagedAllocator(16, block_size=4)  # 4 blocks
+    alloc.allocate("a", 5)  # blocks 0, 1
+    with pytest.raises(ValueError, match="free blocks"):
+        alloc.layout.grow_fresh("b", 0, 9)  # needs 3, 2 are free
+    alloc.check_invariants()
+    alloc.allocate("b", 8)  # both free blocks are still found
+    assert alloc.block_table("b") == [2, 3] and alloc.num_free_tokens() == 0

@@ -263,7 +263,9 @@ class BlockLayout:
         (the caller checked), the lowest ids first, taken off the free heap for good."""
         size = self.block_size
         ids = self._lowest_free(-(-need // size), NO_ONE, keep=False)
-        if len(ids) * size < need:
+        if len(ids) * size < need:  # a caller's bug: put the ids back before saying so
+            for block in ids:
+                heapq.heappush(self._free_heap, block)
             raise ValueError(f"{need} tokens need {-(-need // size)} free blocks, {len(ids)} left")
         self.grow_free(owner, side, [(b, min(size, need - i * size)) for i, b in enumerate(ids)])
 
