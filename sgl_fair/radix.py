@@ -107,10 +107,8 @@ class MatchMemo(NamedTuple):
     A request's match can only grow if a branch is added at the node where it ended, or
     inside the edge it partly matched (which first splits that edge: the split bumps the
     node); it can only shrink if the child it ran into is removed. All three bump
-    ``node.version``; changes elsewhere in the tree leave the memo valid. One case is
-    checked more finely (``RadixTree.memo_match``): nothing matched (at the root, whose
-    version every new first token bumps) stays so while no edge starts with the prompt's
-    first token.
+    ``node.version``; changes elsewhere in the tree leave the memo valid. A match of 0 stays
+    so while no edge starts with the prompt's first token (``RadixTree.memo_match``).
     """
 
     node: Node
