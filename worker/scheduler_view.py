@@ -52,14 +52,16 @@ class SchedulerViewMixin:
         cached = min(self.prefix_len(req), req.seq_len - 1)
         return req.seq_len - cached + min(req.remaining_new_tokens, self.config.clip_max_new_tokens)
 
-    def continued_chunk(self) -> tuple[int, int] | None:
-        """``(new tokens, context)`` of the prefill chunk this step runs before anything a
-        policy picks: the rest of a prompt chunked over steps (one at a time, as SGLang)."""
+    def continued_chunk(self) -> tuple[int, int, bool] | None:
+        """``(new tokens, context, last)`` of the prefill chunk this step runs before anything
+        a policy picks: the rest of a prompt chunked over steps (one at a time, as SGLang).
+        Unless it is the ``last``, the step admits no waiting request."""
         req = self.chunked
         if req is None:
             return None
-        done = req.num_computed
-        return min(req.seq_len - done, self.config.chunked_prefill_size), done
+        done, left = req.num_computed, req.seq_len - req.num_computed
+        n = min(left, self.config.chunked_prefill_size)
+        return n, done, n == left
 
     def kv_room(self, req: Request) -> float:
         """Room the admission test gives ``req`` now (for its class: an RT request may

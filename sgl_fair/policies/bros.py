@@ -47,7 +47,7 @@ from typing import Any
 
 from sgl_fair.policies.base import BasePolicy, Rejection, SchedulerView, make_policy, register
 from sgl_fair.policies.bros_batch import _Batch, _free_iteration, _Frontier, _Memory, _takes_swap_in
-from sgl_fair.request import Request, ServiceClass
+from sgl_fair.request import Phase, Request, ServiceClass
 
 INNER_POLICIES = ("none", "vtc", "dlpm")
 
@@ -194,7 +194,10 @@ class BROS(BasePolicy):
         if cost is not self._cost:  # the scheduler passes the same callable every iteration
             self._cost, self._cost_swap = cost, _takes_swap_in(cost)
         continued = getattr(view, "continued_chunk", None)
-        batch = _Batch(cost, view, self._cost_swap, continued() if continued else None)
+        chunk = continued() if continued is not None else None
+        batch = _Batch(cost, view, self._cost_swap, chunk[:2] if chunk else None)
+        if chunk is not None and not chunk[2]:  # the prompt goes on: this step admits nothing
+            candidates = [r for r in candidates if r.phase is not Phase.WAITING]
         mem = _Memory(view)
         rt, be = [], []
         for r in candidates:

@@ -102,11 +102,24 @@ def test_the_schedulers_chunked_continuation_is_priced_before_any_pick():
 
     picked, _ = chosen_with(None)
     assert picked == [rt, be]
-    picked, bros = chosen_with((100, 400))  # 100 more ms of prefill: only rt fits beside it
+    picked, bros = chosen_with((100, 400, True))  # 100 more ms of prefill: rt fits beside it
     assert picked == [rt]
     assert bros.t_bar_s > make_policy("bros").t_bar_s  # its estimate includes the chunk
-    picked, _ = chosen_with((500, 0))  # over the residual alone: rt (most urgent) still runs
+    picked, _ = chosen_with((500, 0, True))  # over the residual alone: rt (most urgent) runs
     assert picked == [rt]
+
+
+def test_no_waiting_pick_while_a_chunked_prompt_goes_on():
+    """Unless the continued chunk ends its prompt, the scheduler admits no waiting request in
+    that step: BROS picks none (pricing one would only shrink the batch that does run)."""
+    waiting_rt = req("new", RT, arrival=0.7, input_len=20)  # urgent: 0.1 s of its TTFT left
+    decoding = req("dec", RT, arrival=0.0, decoded=3)
+    for last, want in ((False, [decoding]), (True, [waiting_rt, decoding])):
+        view = FakeView(now=1.0)
+        view.continued_chunk = lambda last=last: (10, 100, last)
+        bros = make_policy("bros")
+        bros._t_last[id(decoding)] = 0.95
+        assert bros.select_batch([waiting_rt, decoding], view, linear_cost) == want
 
 
 def test_early_return_resets_b_and_skips_be():
@@ -513,9 +526,11 @@ def test_continued_chunk_is_the_chunk_the_step_runs_first(policy):
         want = seen[-1]
         if want is not None:
             first = batch.prefill[0]
-            assert (first.num_tokens, first.start) == want and first.req is long
+            assert (first.num_tokens, first.start, first.last) == want and first.req is long
+            if not first.last:  # the prompt goes on: nothing else is admitted in this step
+                assert [c.req for c in batch.prefill] == [long]
 
     drive(sched, FixedEngine(), [long, short], before_step=check, after_step=after)
     continued = [c for c in seen if c is not None]
-    assert len(continued) >= 3 and all(n == 64 for n, _ in continued[:-1])  # the case ran
-    assert sum(continued[-1]) == 300  # the last chunk ends the prompt
+    assert len(continued) >= 3 and all(n == 64 for n, _, _ in continued[:-1])  # the case ran
+    assert continued[-1][2] and sum(continued[-1][:2]) == 300  # the last ends the prompt
