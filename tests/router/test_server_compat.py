@@ -117,7 +117,10 @@ def test_stop_strings_fire_on_the_simulated_text(client):
         ch = r.choices[0]
         assert ch.finish_reason == "stop", (stop, ch.text)
         assert not any(s in ch.text for s in stop)
-        assert r.usage.completion_tokens < 400
+        # A stop matched in the last allowed token is still a stop (SGLang checks stop strings
+        # before the length cap): 400 tokens may finish by "stop" (a random request id picks
+        # the simulated text; this failed once in CI runs here).
+        assert r.usage.completion_tokens <= 400
 
 
 def test_native_n_samples_and_streaming_with_index(server):
