@@ -166,8 +166,13 @@ class Generation:
         return min(start, len(self.ids) - 1)
 
     def _take(self, new_ids: list[int]) -> str:
-        """Accept new output tokens; returns the new text. Sets ``finish`` on a stop."""
-        delta_ids = []
+        """Accept new output tokens; returns the new text. Sets ``finish`` on a stop.
+
+        With stop strings, each token is decoded and checked as it comes (as SGLang's
+        scheduler does), so the output, and its token count, end at the token where a
+        string matched, however many tokens the worker had sent in one update."""
+        before = len(self.text)
+        pending: list[int] = []  # accepted, decoded in one feed (no stop strings to check)
         for tok in new_ids:
             if len(self.out_ids) >= self.max_new:
                 self.finish = P.FinishInfo("length", None, None)
@@ -176,24 +181,34 @@ class Generation:
             if tok in self.stop_ids:
                 self.finish = P.FinishInfo("stop", tok, None)
                 break
-            delta_ids.append(tok)
-        before = len(self.text)
-        self.text += self.decoder.feed(delta_ids)
-        if self.stop and self.finish is None:
-            longest = max(map(len, self.stop))
-            window_start = max(0, before - longest + 1)
-            hit = None
-            for s in self.stop:
-                i = self.text.find(s, window_start)
-                if i >= 0 and (hit is None or i < hit[0]):
-                    hit = (i, s)
-            if hit is not None:
-                i, s = hit
-                self.text = self.text[: i + len(s)] if self.no_stop_trim else self.text[:i]
-                self.finish = P.FinishInfo("stop", s, None)
+            if not self.stop:
+                pending.append(tok)
+                continue
+            start = len(self.text)
+            self.text += self.decoder.feed([tok])
+            if self._cut_at_stop(start):
+                break
+        if pending:
+            self.text += self.decoder.feed(pending)
         if len(self.out_ids) >= self.max_new and self.finish is None:
             self.finish = P.FinishInfo("length", None, None)
         return self.text[before:] if len(self.text) >= before else ""
+
+    def _cut_at_stop(self, start: int) -> bool:
+        """If a stop string ends in the text added from ``start`` on, cut the text there
+        (keeping the string with ``no_stop_trim``) and finish; the earliest match wins."""
+        window_start = max(0, start - max(map(len, self.stop)) + 1)
+        hit = None
+        for s in self.stop:
+            i = self.text.find(s, window_start)
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, s)
+        if hit is None:
+            return False
+        i, s = hit
+        self.text = self.text[: i + len(s)] if self.no_stop_trim else self.text[:i]
+        self.finish = P.FinishInfo("stop", s, None)
+        return True
 
     async def updates(self) -> AsyncIterator[str]:
         """Yield text deltas as tokens arrive; ends with ``self.finish`` set."""
