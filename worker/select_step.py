@@ -56,10 +56,7 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
         decode, more = restore_checkpointed(sched, decode, chunks, allocated=True)
         swap_in += more
     while not chunks and not decode and sched.running:  # no progress: retract until some
-        decode, more = _grow(sched, _decode_memory(sched, list(sched.running)))
-        if more is not None:  # an RT's growth may have overwritten a BE grown before it
-            decode, again = restore_checkpointed(sched, decode, allocated=True)
-            more += again
+        decode, more = _grow_restored(sched, _decode_memory(sched, list(sched.running)))
         swap_in = None if swap_in is None else swap_in + (more or 0)
         if decode or len(sched.running) <= 1:
             break
@@ -91,14 +88,24 @@ def decode_restoring(sched: Scheduler) -> tuple[list[Request], int]:
     retracted (``Scheduler._victim``) until one can. Returns the decoding
     requests and the tokens swapped in."""
     while True:
-        decode, swap_in = _grow(sched, list(sched.running))
-        decode, more = restore_checkpointed(sched, decode, allocated=True)
+        decode, swap_in = _grow_restored(sched, list(sched.running))
         if decode:
-            return decode, (swap_in or 0) + (more or 0)
+            return decode, swap_in or 0
         if len(sched.running) <= 1:
             raise MemoryError("KV pool too small to restore or grow a single running request")
         pool = sched.running
         sched._retract(sched._victim(pool))
+
+
+def _grow_restored(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int | None]:
+    """``_grow``, then bring back what its own RT growth overwrote of BE requests grown
+    before (one that cannot come back is retracted): every decode, when nothing follows in
+    the step that could overwrite more."""
+    decode, swap_in = _grow(sched, decode)
+    if swap_in is None:
+        return decode, None
+    decode, more = restore_checkpointed(sched, decode, allocated=True)
+    return decode, swap_in + more
 
 
 def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int | None]:

@@ -259,34 +259,27 @@ class BlockLayout:
         return len(owners)
 
     def grow_fresh(self, owner: Hashable, side: int, need: int) -> None:
-        """``grow_free(owner, side, fresh(side, need))`` where whole free blocks cover ``need``
-        (the caller checked), the lowest ids first, taken off the free heap for good."""
+        """``need`` tokens for ``owner`` in whole free blocks (the caller checked they cover
+        it), the lowest ids first: a new piece in each, made in one loop, the blocks taken off
+        the free heap for good (a prompt's blocks at admission)."""
         size = self.block_size
         ids = self._lowest_free(-(-need // size), NO_ONE, keep=False)
         if len(ids) * size < need:  # a caller's bug: put the ids back before saying so
             for block in ids:
                 heapq.heappush(self._free_heap, block)
             raise ValueError(f"{need} tokens need {-(-need // size)} free blocks, {len(ids)} left")
-        self.grow_free(owner, side, [(b, min(size, need - i * size)) for i, b in enumerate(ids)])
-
-    def grow_free(self, owner: Hashable, side: int, grants: Sequence[tuple[int, int]]) -> None:
-        """``grow(owner, side, block, k)`` for each ``(block, k)`` of ``grants``, every block
-        free (``fresh`` when whole free blocks cover the need): a new piece in each, in one
-        loop (a prompt's blocks at admission)."""
         mine = self.segs.setdefault(owner, [])
         free, sides = self.free_blocks, self.sides
         touched, order_touched = self.touched, self._order_touched
-        total = 0
-        for block, k in grants:
-            piece = Piece(owner, block, side, 0, k)
+        for i, block in enumerate(ids):
+            piece = Piece(owner, block, side, 0, min(size, need - i * size))
             free.discard(block)
             sides[block][side].append(piece)
             touched.add(block)
             order_touched.add(block)
             mine.append(piece)
-            total += k
-        bump(self.held, owner, total)
-        self.num_empty -= total
+        bump(self.held, owner, need)
+        self.num_empty -= need
 
     def extend(self, piece: Piece, k: int) -> None:
         self._touch(piece.block)
