@@ -25,17 +25,12 @@ it started and remove the sockets. Errors in flags, the tenants file or the mode
 line naming the flag, exit 2.
 
 This is a command-line app (the top layer): it may import every layer below; nothing imports
-it. Modules: ``config`` (flags), ``sglang`` (the SGLang servers and bridges), ``serve`` (the
-processes and the event loop).
+it. Modules: ``flags`` (the parser), ``config`` (the checked configuration), ``sglang`` (the
+SGLang servers and bridges), ``serve`` (the processes and the event loop).
 """
 
-from sgl_fair.launch.config import (
-    LaunchConfig,
-    build_parser,
-    gpu_visible,
-    local_policy_opts,
-    parse_config,
-)
+from sgl_fair.launch.config import LaunchConfig, local_policy_opts, parse_config
+from sgl_fair.launch.flags import build_parser, gpu_visible
 from sgl_fair.launch.ports import free_ports, port_free
 from sgl_fair.launch.serve import ProcessGroup, main, serve
 from sgl_fair.launch.sglang import (
