@@ -1,13 +1,9 @@
-"""One prompt's life through the router (:class:`Generation`), and a request's generations
-run from start to end.
+"""One prompt's life through the router: :class:`Generation`.
 
 A :class:`Generation` submits its prompt to the router service, applies the stop strings, stop
 ids and token limit to the tokens that come back, detokenizes them incrementally and builds
-the :class:`~sgl_fair.router.protocol.Completion` the response is made of. :func:`prepare`
-turns a parsed request's items into started generations (identify, tokenize, admit, submit);
-:func:`until_done` waits for them all and raises the first failure. Nothing is lost: a client
-that disconnects has its generations aborted on the worker (freeing their KV), and a tenant's
-in-flight count is given back however a request ends (:func:`done_all`).
+the :class:`~sgl_fair.router.protocol.Completion` the response is made of. A request's
+generations, run from start to end, are in ``router/generations.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
-
-from starlette.requests import Request as HTTPRequest
 
 from sgl_fair.messages import FinishReason
 from sgl_fair.request import Request
@@ -98,6 +92,8 @@ class Generation:
         sp = item.sampling
         self.max_new = max_new  # clipped to the context
         self.stop = [s for s in (sp.stop or []) if s]
+        # a stop string ending in newly added text starts at most this far before it
+        self._stop_reach = max(map(len, self.stop), default=1) - 1
         self.stop_ids = set(sp.stop_token_ids or [])
         self.no_stop_trim = bool(getattr(sp, "no_stop_trim", False))
         self.decoder = IncrementalDecoder(state.tokenizer)
@@ -197,7 +193,7 @@ class Generation:
     def _cut_at_stop(self, start: int) -> bool:
         """If a stop string ends in the text added from ``start`` on, cut the text there
         (keeping the string with ``no_stop_trim``) and finish; the earliest match wins."""
-        window_start = max(0, start - max(map(len, self.stop)) + 1)
+        window_start = max(0, start - self._stop_reach)
         hit = None
         for s in self.stop:
             i = self.text.find(s, window_start)
@@ -333,198 +329,3 @@ class Generation:
             return None
         status = call.error_status if call.error_status >= 500 else 503
         return P.ProtocolError(status, call.error, None)
-
-
-# ------------------------------------------------------------------- a request's generations
-
-
-def start_all(state: ServerState, gens: list[Generation], who: Identity) -> None:
-    started: list[Generation] = []
-    try:
-        for g in gens:
-            if g.item.rid is not None and g.item.rid in state.service.calls:
-                raise P.ProtocolError(400, f"rid {g.item.rid!r} is already in flight", "rid")
-            if g.lead is not None:
-                continue  # a later sample: submitted once its lead has prefilled
-            g.start()
-            started.append(g)
-    except NoWorkerError as e:
-        for g in started:
-            g.abort("no worker")
-        raise P.ProtocolError(
-            503, f"no worker available: {e}", None, retry_after_s=e.retry_after_s
-        ) from None
-    except P.ProtocolError:
-        for g in started:
-            g.abort("batch refused")
-        raise
-    for g in gens:
-        if g.lead is not None:
-            g._starter = asyncio.ensure_future(g.start_after_lead())
-    key = who.tenant.name if who.tenant is not None else None
-    if key is not None:
-        state.inflight[key] = state.inflight.get(key, 0) + len(gens)
-
-
-def done_all(state: ServerState, gens: list[Generation], who: Identity) -> None:
-    key = who.tenant.name if who.tenant is not None else None
-    if key is not None:
-        state.inflight[key] = max(0, state.inflight.get(key, 0) - len(gens))
-
-
-async def run_to_end(request: HTTPRequest, gens: list[Generation]) -> None:
-    """Wait for every generation; abort them all if the client goes away."""
-
-    async def one(g: Generation) -> None:
-        async for _ in g.updates():
-            pass
-
-    task = asyncio.gather(*(one(g) for g in gens))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
-            if done:
-                task.result()
-                return
-            if await request.is_disconnected():
-                for g in gens:
-                    g.abort("client disconnected")
-                await task
-                return
-    except asyncio.CancelledError:
-        for g in gens:
-            g.abort("client disconnected")
-        raise
-
-
-def prepare(
-    state: ServerState,
-    request: HTTPRequest,
-    items: list[Any],
-    param: str,
-    user: str | None,
-    *,
-    chat: bool = False,
-) -> tuple[Identity, list[Generation]]:
-    """Identify, tokenize, admit and submit: one started :class:`Generation` per prompt and
-    sample (``n`` > 1 gives ``n`` per prompt, in order; the tenant is admitted for all)."""
-    who = state.identify(request, user, items[0].routing_key)
-    sched = state.scheduling(request, items[0].hints, who)
-    total = sum(it.sampling.n for it in items)
-    if total > state.limits.max_batch:
-        raise P.ProtocolError(
-            400, f"{total} generations (prompts x n) exceed the limit of "
-            f"{state.limits.max_batch}", "n",
-        )  # fmt: skip
-    gens = []
-    for it in items:
-        ids, max_new = state.tokenize(it, param, who, chat=chat)
-        lead = None
-        for sample in expand_samples([it]):
-            g = Generation(state, sample, ids, max_new, who, sched)
-            g.lead = lead
-            lead = lead or g
-            gens.append(g)
-    state.admit(who, len(gens))
-    start_all(state, gens, who)
-    return who, gens
-
-
-async def first_events(
-    state: ServerState, request: HTTPRequest, gens: list[Generation], who: Identity
-) -> None:
-    """A streaming response, before its status line: wait until every submitted generation
-    has its first token or has ended, so one refused before any token (a FairServe throttle,
-    a rejection, no worker) is answered with its HTTP status (429, 400, 503), not a 200
-    stream carrying an error. Raises that error (the request's generations aborted and its
-    in-flight count given back), or 499 when the client went away meanwhile."""
-
-    async def first(g: Generation) -> None:
-        await g.submitted.wait()
-        if g.call is not None:
-            await g.call.updated.wait()  # set by the first Tokens or by the end; not cleared
-
-    leads = [g for g in gens if g.lead is None]
-    task = asyncio.gather(*(first(g) for g in leads))
-    gone = False
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
-            if done:
-                task.result()
-                break
-            if await request.is_disconnected():
-                gone = True
-                task.cancel()
-                break
-    except BaseException:
-        task.cancel()
-        _give_up(state, gens, who, "client disconnected")
-        raise
-    if gone:
-        _give_up(state, gens, who, "client disconnected")
-        raise P.ProtocolError(499, "the client disconnected before the first token", None)
-    for g in leads:
-        err = g.failed
-        if err is not None and not (g.call is not None and g.call.tokens):
-            _give_up(state, gens, who, "a generation of the request failed")
-            raise err
-
-
-def _give_up(state: ServerState, gens: list[Generation], who: Identity, why: str) -> None:
-    for g in gens:
-        g.abort(why)
-    done_all(state, gens, who)
-
-
-def check_failed(gens: list[Generation]) -> None:
-    for g in gens:
-        err = g.failed
-        if err is not None:
-            raise err
-
-
-async def until_done(
-    state: ServerState, request: HTTPRequest, gens: list[Generation], who: Identity
-) -> None:
-    """A non-streaming response: wait for every generation, raise the first failure."""
-    try:
-        await run_to_end(request, gens)
-    finally:
-        done_all(state, gens, who)
-    check_failed(gens)
-
-
-async def merged_updates(gens: list[Generation]) -> AsyncIterator[tuple[int, str | None]]:
-    """The text deltas of several generations as they arrive, ``(index, delta)``, and
-    ``(index, None)`` once generation ``index`` has finished (parallel samples streamed
-    together; SGLang's and OpenAI's chunks carry the ``index``)."""
-    if len(gens) == 1:
-        async for delta in gens[0].updates():
-            yield 0, delta
-        yield 0, None
-        return
-    queue: asyncio.Queue[tuple[int, str | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, g: Generation) -> None:
-        try:
-            async for delta in g.updates():
-                queue.put_nowait((i, delta, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, None, e))
-            return
-        queue.put_nowait((i, None, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    left = len(gens)
-    try:
-        while left:
-            i, delta, err = await queue.get()
-            if err is not None:
-                raise err
-            if delta is None:
-                left -= 1
-            yield i, delta
-    finally:
-        for t in tasks:
-            t.cancel()

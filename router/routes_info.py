@@ -20,7 +20,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sgl_fair.router import protocol as P
-from sgl_fair.router.generation import Generation, run_to_end
+from sgl_fair.router.generation import Generation
+from sgl_fair.router.generations import run_to_end
 from sgl_fair.router.guard import admin_refusal
 from sgl_fair.router.http_io import JSON, error_response, read_json_body
 from sgl_fair.router.service import NoWorkerError

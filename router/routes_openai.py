@@ -17,14 +17,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from sgl_fair.router import protocol as P
-from sgl_fair.router.generation import (
-    Generation,
-    done_all,
-    first_events,
-    merged_updates,
-    prepare,
-    until_done,
-)
+from sgl_fair.router.generation import Generation
+from sgl_fair.router.generations import done_all, first_events, merged_updates, prepare, until_done
 from sgl_fair.router.http_io import JSON, read_json_body
 from sgl_fair.router.state import Identity, ServerState
 
