@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from sgl_fair import kv_events
+from sgl_fair import kv_decoder
 from sgl_fair.messages import Abort, Hello
 
 log = logging.getLogger("sgl_fair.router")
@@ -43,7 +43,7 @@ class WorkerState:
     process: Any = None  # multiprocessing.Process when the launcher started it
     kv_seq: int = -1
     kv_gaps: int = 0
-    decoder: kv_events.KVEventDecoder = field(default_factory=kv_events.KVEventDecoder)
+    decoder: kv_decoder.KVEventDecoder = field(default_factory=kv_decoder.KVEventDecoder)
     num_restarts: int = 0  # processes the launcher started again after this one exited
     restart_at: float | None = None  # when the next restart is due (backoff)
     backoff_s: float = 0.0
@@ -78,7 +78,7 @@ class WorkerLiveness:
             return
         log.error("worker %d is gone (%s); routing around it", wid, why)
         lost = self.router.remove_worker(wid)
-        w.decoder = kv_events.KVEventDecoder()
+        w.decoder = kv_decoder.KVEventDecoder()
         w.kv_seq = -1
         if w.process is not None and self.restarter is not None and not w.process.is_alive():
             self._schedule_restart(w)

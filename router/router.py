@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sgl_fair.kv_events import Cleared, Removed, Stored, TreeOp
+from sgl_fair.kv_decoder import Cleared, Removed, Stored, TreeOp
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
 from sgl_fair.policies.base import Rejection
 from sgl_fair.request import ClientId, Request

@@ -27,14 +27,14 @@ Page rounding (our workers, ``KVEventEncoder``): only *full* pages are published
 router credits a worker with its cached paths rounded down to a page multiple; it never
 claims a token the worker does not hold, and misses at most ``page_size - 1`` per path.
 
-This module is pure (msgspec + stdlib): the zmq sockets live with the processes.
+The router's side, ``KVEventDecoder`` (events to token-path operations), is in
+``sgl_fair/kv_decoder.py``. Both are pure (msgspec + stdlib): the zmq sockets live with the
+processes.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from typing import Any
 
 import msgspec
@@ -263,295 +263,17 @@ class KVEventEncoder:
             out.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_GPU))
 
 
-# ---- router side ---------------------------------------------------------------------------
-
-
-class Stored(msgspec.Struct, frozen=True, gc=False):
-    """The worker holds all of ``path`` (and so every prefix of it)."""
-
-    path: Tokens
-
-
-class Removed(msgspec.Struct, frozen=True, gc=False):
-    """The worker dropped ``path[start:]`` and everything below it (like ``Evicted``)."""
-
-    path: Tokens
-    start: int
-
-
-class Cleared(msgspec.Struct, frozen=True, gc=False):
-    """The worker dropped its whole cache."""
-
-
-TreeOp = Stored | Removed | Cleared
-
-
-Children = list[tuple[Tokens, int]]  # sibling pages as (tokens, hash), sorted
-
-
-class _Block:
-    """One known page: its parent page's hash (None at the root) and its own tokens.
-
-    ``children`` is None, one hash, or a sorted list of ``(tokens, hash)``: most pages
-    have at most one child (a chain; page size 1 means one block per token), so the
-    common case costs no list. Sorting lets a removal find, in O(log n), the surviving
-    sibling sharing the most leading tokens (it is adjacent in sorted order).
-    """
-
-    __slots__ = ("parent", "tokens", "children")
-
-    def __init__(self, parent: int | None, tokens: Tokens) -> None:
-        self.parent = parent
-        self.tokens = tokens
-        self.children: int | Children | None = None
-
-
-def _common_len(a: Tokens, b: Tokens) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-class KVEventDecoder:
-    """One worker's event stream → ``TreeOp`` s for the router's global tree.
-
-    Keeps ``hash → (parent hash, page tokens)`` and rebuilds a page's full token path by
-    walking its parents, so memory stays linear in the tokens cached (storing each page's
-    whole path would be quadratic at page size 1, SGLang's default). Works for any block
-    size, including SGLang's last, shorter page of a radix node (``block_size`` is per
-    event there).
-
-    Removals are token-exact: sibling pages (same parent) may share leading tokens — the
-    page ``(5, 0, 0, 0)`` goes while ``(5, 1, 0, 0)`` stays — and the router's tree is a
-    token tree, so a ``Removed`` starts where the page leaves every surviving sibling, not
-    at the page's start (which would drop the sibling's claim too).
-
-    Never raises on a well-typed but inconsistent stream (late join, lost messages, a
-    buggy producer): what cannot be placed is skipped and counted.
-
-    ``medium``: only events of that storage medium are followed (SGLang's hierarchical
-    cache also publishes host-memory tiers, with the same hashes); events with no medium
-    count as it. None follows every event.
-    """
-
-    def __init__(self, *, medium: str | None = MEDIUM_GPU) -> None:
-        self.medium = medium
-        self._blocks: dict[int, _Block] = {}
-        self._roots: Children = []  # pages whose parent is the root
-        # The last path built and the hash of its last page: the next event of a step
-        # usually continues it (SGLang splits a node's chain when the last page is short).
-        self._last: tuple[int, Tokens] | None = None
-        self.num_orphans = 0  # BlockStored events whose parent hash is unknown
-        self.num_malformed = 0  # BlockStored events whose sizes do not add up
-        self.num_unknown_removed = 0  # hashes in BlockRemoved never stored (or gone)
-        self.num_ignored = 0  # events of another storage medium
-
-    @property
-    def num_blocks(self) -> int:
-        """Pages currently known to be held."""
-        return len(self._blocks)
-
-    def apply(self, batch: EventBatch | Iterable[KVEvent]) -> list[TreeOp]:
-        """The tree operations for one batch (or a list of events), in order."""
-        events = batch.events if isinstance(batch, EventBatch) else batch
-        ops: list[TreeOp] = []
-        for ev in events:
-            if isinstance(ev, AllBlocksCleared):
-                self._blocks.clear()
-                self._roots.clear()
-                self._last = None
-                ops.append(Cleared())
-                continue
-            if not isinstance(ev, (BlockStored, BlockRemoved)):
-                raise TypeError(f"not a KV cache event: {ev!r}")
-            if self.medium is not None and ev.medium is not None and ev.medium != self.medium:
-                self.num_ignored += 1
-            elif isinstance(ev, BlockStored):
-                self._stored(ev, ops)
-            else:
-                self._removed(ev, ops)
-        return ops
-
-    def leaf_paths(self) -> list[Tokens]:
-        """The token path of every known page with no known child: together, every path the
-        worker holds (what a follower rebuilds its tree from)."""
-        return [self.path(h) for h, block in self._blocks.items() if not block.children]
-
-    def path(self, block_hash: int) -> Tokens:
-        """The token path from the root to the end of a known page (KeyError if unknown)."""
-        last = self._last
-        if last is not None and last[0] == block_hash:
-            return last[1]
-        blocks = self._blocks
-        parts = []
-        h: int | None = block_hash
-        while h is not None:
-            block = blocks[h]
-            parts.append(block.tokens)
-            h = block.parent
-        return tuple(chain.from_iterable(reversed(parts)))
-
-    # ---- stores --------------------------------------------------------------------------
-
-    def _stored(self, ev: BlockStored, ops: list[TreeOp]) -> None:
-        hashes, token_ids, size = ev.block_hashes, ev.token_ids, ev.block_size
-        if not hashes or size < 1 or len(token_ids) != size * len(hashes):
-            self.num_malformed += 1
-            return
-        blocks = self._blocks
-        parent = ev.parent_block_hash
-        if parent is None:
-            prefix: Tokens = ()
-        elif parent in blocks:
-            prefix = self.path(parent)
-        else:
-            self.num_orphans += 1
-            return
-        tokens = tuple(token_ids)
-        end = 0
-        # The block new pages hang below (None at the root): within an event it is the
-        # page just added, whose child slot is empty, so linking is one assignment.
-        above = blocks[parent] if parent is not None else None
-        for i, h in enumerate(hashes):
-            page = tokens[i * size : (i + 1) * size]
-            known = blocks.get(h)
-            if known is None:
-                block = blocks[h] = _Block(parent, page)
-                if above is not None and above.children is None:
-                    above.children = h
-                else:
-                    self._link(parent, h, page)
-                above = block
-            elif known.parent != parent or known.tokens != page:
-                # The hash names another path (a collision, or a producer out of step):
-                # keep the first meaning; what follows in this event cannot be placed.
-                self.num_malformed += 1
-                break
-            else:  # stored twice (store once is the protocol, but a replay may repeat)
-                above = known
-            parent = h
-            end = (i + 1) * size
-        if end:
-            path = prefix + tokens[:end]
-            self._last = (hashes[end // size - 1], path)
-            ops.append(Stored(path))
-
-    def _siblings(self, parent: int | None) -> Children | None:
-        """The sorted child list of ``parent`` (the root's if None), or None if it has <2."""
-        if parent is None:
-            return self._roots
-        block = self._blocks.get(parent)
-        if block is None or not isinstance(block.children, list):
-            return None
-        return block.children
-
-    def _link(self, parent: int | None, h: int, tokens: Tokens) -> None:
-        if parent is None:
-            insort(self._roots, (tokens, h))
-            return
-        block = self._blocks[parent]
-        c = block.children
-        if c is None:
-            block.children = h
-        elif isinstance(c, list):
-            insort(c, (tokens, h))
-        else:
-            block.children = sorted([(self._blocks[c].tokens, c), (tokens, h)])
-
-    def _unlink(self, parent: int | None, h: int, tokens: Tokens) -> None:
-        if parent is not None:
-            block = self._blocks.get(parent)
-            if block is None:
-                return
-            if not isinstance(block.children, list):
-                if block.children == h:
-                    block.children = None
-                return
-        siblings = self._siblings(parent)
-        assert siblings is not None
-        i = bisect_left(siblings, (tokens, h))
-        if i < len(siblings) and siblings[i][1] == h:
-            del siblings[i]
-
-    # ---- removals ------------------------------------------------------------------------
-
-    def _removed(self, ev: BlockRemoved, ops: list[TreeOp]) -> None:
-        blocks = self._blocks
-        known = [h for h in dict.fromkeys(ev.block_hashes) if h in blocks]
-        self.num_unknown_removed += len(ev.block_hashes) - len(known)
-        if not known:
-            return
-        gone = set(known)
-        # A page whose parent goes in the same event is covered by its parent's removal.
-        roots = [h for h in known if blocks[h].parent not in gone]
-        for h in roots:
-            path = self.path(h)
-            start = len(path) - len(blocks[h].tokens) + self._still_held(h, gone)
-            if start < len(path):
-                ops.append(Removed(path, start))
-        self._last = None
-        for h in roots:
-            self._forget(h)
-
-    def _still_held(self, h: int, gone: set[int]) -> int:
-        """Leading tokens of page ``h`` still held through a sibling page that stays."""
-        block = self._blocks[h]
-        siblings = self._siblings(block.parent)
-        if not siblings:
-            return 0
-        tokens = block.tokens
-        i = bisect_left(siblings, (tokens, h))
-        held = 0
-        j = i - 1  # the nearest surviving sibling on each side shares the most tokens
-        while j >= 0 and siblings[j][1] in gone:
-            j -= 1
-        if j >= 0:
-            held = _common_len(tokens, siblings[j][0])
-        j = i + 1 if i < len(siblings) and siblings[i][1] == h else i
-        while j < len(siblings) and siblings[j][1] in gone:
-            j += 1
-        if j < len(siblings):
-            held = max(held, _common_len(tokens, siblings[j][0]))
-        return held
-
-    def _forget(self, root: int) -> None:
-        """Drop ``root`` and every page below it."""
-        blocks = self._blocks
-        block = blocks.get(root)
-        if block is None:
-            return  # under another root forgotten already
-        self._unlink(block.parent, root, block.tokens)
-        stack = [root]
-        while stack:
-            block = blocks.pop(stack.pop(), None)
-            if block is None:
-                continue
-            c = block.children
-            if isinstance(c, list):
-                stack.extend(h for _, h in c)
-            elif c is not None:
-                stack.append(c)
-
-
 __all__ = [
     "MEDIUM_GPU",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "Change",
-    "Cleared",
     "EventBatch",
     "KVCacheEvent",
     "KVEvent",
     "KVEventBatch",
-    "KVEventDecoder",
     "KVEventEncoder",
-    "Removed",
-    "Stored",
-    "TreeOp",
     "decode_batch",
     "encode_batch",
     "multipart",

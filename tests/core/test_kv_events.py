@@ -21,16 +21,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from sgl_fair.kv_decoder import Cleared, KVEventDecoder, Removed, Stored
 from sgl_fair.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    Cleared,
     KVEventBatch,
-    KVEventDecoder,
     KVEventEncoder,
-    Removed,
-    Stored,
     decode_batch,
     encode_batch,
     multipart,

@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang_rig import publish_server_args
 
 from sgl_fair import kv_events as ours
+from sgl_fair.kv_decoder import KVEventDecoder
 from sgl_fair.router.policies import make_router_policy
 from sgl_fair.router.router import Router
 
@@ -42,7 +43,7 @@ def publish(tree, ts: float) -> bytes:
 def test_sglang_cache_events_rebuild_the_worker_in_our_router(page_size):
     alloc, tree = sglang_cache(page_size)
     router = Router(make_router_policy("d2lpm"), 2, insert_outputs=False)
-    decoder = ours.KVEventDecoder()
+    decoder = KVEventDecoder()
 
     def follow(ts):
         ops = decoder.apply(ours.decode_batch(publish(tree, ts)))

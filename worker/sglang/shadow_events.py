@@ -31,7 +31,8 @@ from typing import Any
 
 import msgspec
 
-from sgl_fair.kv_events import Cleared, KVEventDecoder, Removed, Stored, decode_batch
+from sgl_fair.kv_decoder import Cleared, KVEventDecoder, Removed, Stored
+from sgl_fair.kv_events import decode_batch
 from sgl_fair.worker.sglang.shadow import OWNER, ShadowCache
 
 log = logging.getLogger("sgl_fair.sglang")
