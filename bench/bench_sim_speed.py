@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 
-from sgl_fair.experiment.single import fresh_copy, get_experiment
+from sgl_fair.experiment.single import fresh_copy
+from sgl_fair.experiment.vtc import get_experiment
 from sgl_fair.policies import make_policy
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.runner import make_sim_worker, simulate

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,7 +80,7 @@ _CLUSTER_FLAGS = ("dp", "router", "local", "workload", "scenario", "gpu", "model
 
 def cmd_list() -> int:
     from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
-    from sgl_fair.experiment.single import EXPERIMENTS
+    from sgl_fair.experiment.vtc import EXPERIMENTS
 
     everything = [*EXPERIMENTS.values(), *CLUSTER.values()]
     width = max(len(e.name) for e in everything)
@@ -99,7 +100,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sgl_fair.experiment import fairserve
     from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
     from sgl_fair.experiment.report import write_outputs
-    from sgl_fair.experiment.single import EXPERIMENTS, get_experiment, run_experiment
+    from sgl_fair.experiment.single import run_experiment
+    from sgl_fair.experiment.vtc import EXPERIMENTS, get_experiment
 
     if args.name in CLUSTER:
         return cmd_run_cluster(args)
@@ -320,3 +322,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (``... | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

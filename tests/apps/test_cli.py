@@ -140,3 +140,16 @@ def test_run_writes_report_and_plots(tmp_path):
     for name in ("report.md", "service_rate.png", "response_time.png", "service_diff.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "service_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_reader_that_goes_away_gets_no_traceback():
+    """``python -m sgl_fair.experiment list | head -1``: the pipe closes before the output is
+    written; the command stops quietly instead of printing a BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sgl_fair.experiment", "list"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # before the interpreter has even started: every write fails
+    _, err = proc.communicate(timeout=60)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()

@@ -11,12 +11,8 @@ import json
 
 import pytest
 
-from sgl_fair.experiment.single import (
-    EXPERIMENTS,
-    ExperimentResult,
-    get_experiment,
-    run_experiment,
-)
+from sgl_fair.experiment.single import ExperimentResult, run_experiment
+from sgl_fair.experiment.vtc import EXPERIMENTS, get_experiment
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ for name in names:
     importlib.import_module(name)
 # The pure parts of the worker and workloads too: the scheduler and simulator run anywhere.
 for name in ('sgl_fair.worker.scheduler', 'sgl_fair.worker.sim.runner',
-             'sgl_fair.experiment.single', 'sgl_fair.workloads.report'):
+             'sgl_fair.experiment.single', 'sgl_fair.experiment.vtc',
+             'sgl_fair.workloads.report'):
     importlib.import_module(name)
 assert 'torch' not in sys.modules or sys.modules['torch'] is None
 print(len(names))
