@@ -349,26 +349,40 @@ class RouterService(WorkerLiveness):
                 self._flush_event.set()
 
     def _account(self, call: Call, msg: Finished, now: float) -> None:
+        req, tel = call.req, self.telemetry
         if msg.reason is FinishReason.REJECTED:
             why = "admission" if msg.retry_after_s is not None else "capacity"
-            self.telemetry.rejected(call.tenant, why)
+            tel.rejected(call.tenant, why)
             throttle = throttle_of(msg.limit)
             if throttle is not None:
                 where = "router" if msg.worker < 0 else "worker"
-                self.telemetry.throttled(call.tenant, call.req.app, throttle.limit, where)
+                tel.throttled(call.tenant, req.app, throttle.limit, where)
+            if why == "admission":  # a policy's request limit: FairServe's OIT or rpm's
+                tel.interactions.throttled(call.tenant, req.app, req.client, req.interaction_id)
+            else:
+                tel.interactions.seen(call.tenant, req.app, req.client)
             return
         # A call the router ended at its stop string completed, as one the worker ended does:
         # which of the two ends it first is a race, so both count "ok".
         outcome = "ok" if msg.ok or call.aborted == "stop" else "aborted"
-        self.telemetry.finished(
+        ttft_s = None if call.first_token_s is None else call.first_token_s - call.submit_s
+        tel.finished(
             call.tenant,
             outcome=outcome,
             input_len=msg.input_len,
             cached=msg.prefix_len,
             output_len=msg.num_output,
-            ttft_s=None if call.first_token_s is None else call.first_token_s - call.submit_s,
+            ttft_s=ttft_s,
             e2e_s=now - call.submit_s,
         )
+        if outcome == "ok":
+            tel.interactions.answered(
+                call.tenant, req.app, req.client, req.interaction_id,
+                tokens=msg.input_len + msg.num_output, output_len=msg.num_output,
+                ttft_s=ttft_s, queue_s=msg.queue_s,
+            )  # fmt: skip
+        else:
+            tel.interactions.seen(call.tenant, req.app, req.client)
 
     async def _kv_loop(self, wid: int, sock: zmq.asyncio.Socket) -> None:
         while True:

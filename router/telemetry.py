@@ -4,8 +4,10 @@ Per tenant: requests by outcome, input / cached / output tokens, service (the fa
 currency: extend tokens + ``output_weight`` × output tokens, as the schedulers count it),
 rejections by reason, TTFT and end-to-end latency histograms, requests by service class
 (RT / BE) and FairServe throttles by app, limit and where (a worker or the router). Per
-worker: the router's queue length and the worker's own gauges from its ``Load`` reports,
-and whether it is alive.
+tenant and app, FairServe's measures (``telemetry_interactions.py``): throughput, TTFT,
+waiting-queue delay, interactions throttled, tokens wasted, users served / queued /
+throttled. Per worker: the router's queue length and the worker's own gauges from its
+``Load`` reports, and whether it is alive.
 One registry per server, so tests can run several in one process.
 """
 
@@ -23,6 +25,7 @@ from prometheus_client import (
 )
 
 from sgl_fair.messages import Load
+from sgl_fair.router.telemetry_interactions import InteractionMetrics
 
 MAX_APP_LABELS = 64  # distinct `app` label values of the throttling counter
 
@@ -141,6 +144,8 @@ class Telemetry:
         )
         self._prompt = 0
         self._cached = 0
+        # FairServe's measures by tenant and app (users, interactions, queueing)
+        self.interactions = InteractionMetrics(r, _LATENCY_BUCKETS, self.app_label, prefix=p)
 
     def finished(
         self,
@@ -172,17 +177,19 @@ class Telemetry:
     def submitted(self, tenant: str, priority_class: str) -> None:
         self.by_class.labels(tenant, priority_class).inc()
 
-    def throttled(self, tenant: str, app: str | None, limit: str, where: str = "worker") -> None:
-        """A throttled request, by a worker's OIT or the router's (``where``). ``app`` comes
-        from clients: past ``MAX_APP_LABELS`` distinct apps the rest are counted as
-        ``"other"`` (bounded label cardinality)."""
+    def app_label(self, app: str | None) -> str:
+        """``app`` as a label value. Apps come from clients: past ``MAX_APP_LABELS`` distinct
+        apps the rest are counted as ``"other"`` (bounded label cardinality)."""
         app = app or ""
         if app not in self._apps:
             if len(self._apps) >= MAX_APP_LABELS:
-                app = "other"
-            else:
-                self._apps.add(app)
-        self.throttled_total.labels(tenant, app, limit, where).inc()
+                return "other"
+            self._apps.add(app)
+        return app
+
+    def throttled(self, tenant: str, app: str | None, limit: str, where: str = "worker") -> None:
+        """A request throttled by a worker's OIT or the router's (``where``)."""
+        self.throttled_total.labels(tenant, self.app_label(app), limit, where).inc()
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()

@@ -193,8 +193,24 @@ def test_live_fairserve_throttles_new_interactions_of_an_abusive_user(tmp_path):
         asyncio.run(_scenario(live.url))
         text = httpx.get(live.url + "/metrics", timeout=10).text
         name = "sgl_fair_requests_throttled_total"
-        assert metric(text, name, tenant="mallory", app="spam", limit="user") >= 3
+        throttled = metric(text, name, tenant="mallory", app="spam", limit="user")
+        assert throttled >= 3
         assert metric(text, name, tenant="alice") == 0
+        # FairServe's measures by tenant and app: every throttled call started a new
+        # interaction, so nothing was wasted; the benign user was served and never throttled
+        m = "sgl_fair_"
+        assert metric(text, m + "interactions_throttled_total", tenant="mallory") == throttled
+        assert metric(text, m + "tokens_wasted_total") == 0
+        assert metric(text, m + "users_total", tenant="mallory", app="spam") == 1
+        assert metric(text, m + "users_throttled_total", tenant="mallory", app="spam") == 1
+        assert metric(text, m + "users_served_total", tenant="mallory", app="spam") == 1
+        assert metric(text, m + "users_total", tenant="alice", app="tot") == 1
+        assert metric(text, m + "users_served_total", tenant="alice", app="tot") == 1
+        assert metric(text, m + "users_throttled_total", tenant="alice") == 0
+        assert metric(text, m + "queue_delay_seconds_count", tenant="alice", app="tot") == 3
+        assert metric(text, m + "app_ttft_seconds_count", tenant="alice", app="tot") == 3
+        out = metric(text, m + "app_output_tokens_total", tenant="alice", app="tot")
+        assert out == 3 * SP["max_new_tokens"]
 
 
 async def _scenario(url: str) -> None:
@@ -256,3 +272,27 @@ async def _scenario(url: str) -> None:
         for r in await alice_task:
             assert r.status_code == 200, r.text
             assert len(r.json()["output_ids"]) == SP["max_new_tokens"]
+
+
+@pytest.mark.slow
+def test_live_tokens_wasted_when_rpm_cuts_an_interaction(tmp_path):
+    """rpm refuses the second call of an interaction: the first call's prompt + output
+    tokens are wasted (the user gets no final answer), on /metrics by tenant and app."""
+    rpm = ("--dp", "1", "--schedule-policy", "rpm", "--schedule-policy-opt", "limit=1")
+    with launched(*rpm, tmp_path=tmp_path) as live:
+        h = {"X-Client-Id": "bob"}
+        body = {"text": "bob asks", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
+                "interaction_id": "agent-1", "app": "agent"}  # fmt: skip
+        first = httpx.post(live.url + "/generate", json=body, headers=h, timeout=60)
+        assert first.status_code == 200, first.text
+        meta = first.json()["meta_info"]
+        second = httpx.post(live.url + "/generate", json={**body, "stage": 1}, headers=h,
+                            timeout=60)  # fmt: skip
+        assert second.status_code == 429, second.text
+        text = httpx.get(live.url + "/metrics", timeout=10).text
+        m = "sgl_fair_"
+        spent = meta["prompt_tokens"] + meta["completion_tokens"]
+        assert metric(text, m + "tokens_wasted_total", tenant="bob", app="agent") == spent
+        assert metric(text, m + "interactions_throttled_total", tenant="bob", app="agent") == 1
+        assert metric(text, m + "users_throttled_total", tenant="bob", app="agent") == 1
+        assert metric(text, m + "requests_throttled_total") == 0  # not FairServe's OIT
