@@ -5,9 +5,11 @@ live server, run twice — ``--schedule-policy fcfs`` (what a plain server does)
 with the same traffic over HTTP:
 
 * **RT chat** (``"priority_class": "rt"``): streaming requests, Poisson at ``--rt-rate``/s,
-  prompts of ~200 tokens, 64 output tokens, for the whole run;
+  prompts of 200 tokens, 64 output tokens, for the whole run;
 * **BE batch job** (``"priority_class": "be"``): after ``--calm`` seconds, closed-loop batches of
-  32 requests of ~768 prompt tokens / 64 output tokens, the next batch when the last is done.
+  32 requests of 768 prompt tokens / 64 output tokens, the next batch when the last is done.
+
+Prompts are sent as ``input_ids``, so they are exactly that long.
 
 It prints RT time-to-first-token and time-per-output-token (P50/P99) before and during the
 batch job, the share of RT requests meeting the SLOs (TTFT 0.4 s, TPOT 0.2 s), and the batch
@@ -31,17 +33,27 @@ from sgl_fair.metrics import percentiles
 GPU, MODEL, TP = "A100-80GB", "Llama-3-70B", "8"
 TTFT_SLO_S, TPOT_SLO_S = 0.4, 0.2
 BE_BATCH = 32
+RT_PROMPT, BE_PROMPT = 200, 768  # prompt tokens
+
+
+def prompt_ids(i: int, n: int) -> list[int]:
+    """``n`` token ids unique to request ``i``: prompts sent as ``input_ids`` have exactly the
+    lengths the demo states (text would be as long as the tokenizer makes it; the built-in
+    one spells a word it does not know in bytes) and share no prefix."""
+    rng = random.Random(i)
+    return [rng.randrange(1_000, 30_000) for _ in range(n)]
 
 
 async def rt_call(http, url: str, i: int, out: list[dict], phase: str) -> None:
     body = {
-        "text": f"chat {i} " + "hello " * 200,
+        "input_ids": prompt_ids(i, RT_PROMPT),
         "stream": True,
         "priority_class": "rt",
         "sampling_params": {"max_new_tokens": 64, "ignore_eos": True},
     }
     t0 = time.perf_counter()
     stamps: list[tuple[float, int]] = []
+    prompt_tokens = None
     async with http.post(url + "/generate", json=body) as r:
         if r.status != 200:
             out.append({"phase": phase, "error": r.status})
@@ -49,15 +61,16 @@ async def rt_call(http, url: str, i: int, out: list[dict], phase: str) -> None:
         async for line in r.content:
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
-            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
-            stamps.append((time.perf_counter() - t0, n))
+            meta = json.loads(line[5:])["meta_info"]
+            stamps.append((time.perf_counter() - t0, meta["completion_tokens"]))
+            prompt_tokens = meta["prompt_tokens"]
     if not stamps:
         out.append({"phase": phase, "error": "no tokens"})
         return
     ttft = stamps[0][0]
     (t_end, n_end) = stamps[-1]
     tpot = (t_end - ttft) / max(n_end - stamps[0][1], 1)
-    out.append({"phase": phase, "ttft": ttft, "tpot": tpot})
+    out.append({"phase": phase, "ttft": ttft, "tpot": tpot, "prompt_tokens": prompt_tokens})
 
 
 async def be_job(http, url: str, stop: asyncio.Event, done_tokens: list[int]) -> None:
@@ -66,7 +79,7 @@ async def be_job(http, url: str, stop: asyncio.Event, done_tokens: list[int]) ->
 
         async def one(i: int) -> None:
             body = {
-                "text": f"batch {i} " + "data " * 768,
+                "input_ids": prompt_ids(-1 - i, BE_PROMPT),
                 "priority_class": "be",
                 "sampling_params": {"max_new_tokens": 64, "ignore_eos": True},
             }
