@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+from operator import attrgetter
 
 import numpy as np
 
@@ -40,12 +41,20 @@ from sgl_fair.request import ClientId
 _VECTORISABLE_COSTS = (WeightedTokens, PrefixAwareTokens, ProfiledQuadratic)
 
 
+_COLUMNS = np.dtype(
+    [("t_s", "f8"), ("input_len", "f8"), ("extend_len", "f8"), ("start", "f8"), ("end", "f8")]
+)
+_columns_of = attrgetter("t_s", "input_len", "extend_len", "start", "end")
+
+
 @dataclass(frozen=True, eq=False)
 class EventArrays:
     """Service events as arrays, sorted by time (stable), priced once under ``cost``.
 
     ``clients`` is sorted; ``client_idx[i]`` indexes it. ``num_tokens`` is ``input_len`` for
     a PREFILL event and ``end - start`` for a DECODE event (used by ``throughput``).
+    ``columns`` keeps each event's token counts, so ``repriced`` prices them again under
+    another cost without going back to the events.
     """
 
     cost: CostFunction
@@ -55,6 +64,7 @@ class EventArrays:
     service: np.ndarray
     is_prefill: np.ndarray
     num_tokens: np.ndarray
+    columns: np.ndarray  # structured, ``_COLUMNS``, in the same (time) order
 
     @classmethod
     def from_events(
@@ -62,45 +72,41 @@ class EventArrays:
     ) -> EventArrays:
         cost = WeightedTokens() if cost is None else cost
         n = len(events)
-        t_s = np.empty(n, dtype=np.float64)
-        is_prefill = np.empty(n, dtype=bool)
-        input_len = np.empty(n, dtype=np.float64)
-        extend_len = np.empty(n, dtype=np.float64)
-        start = np.empty(n, dtype=np.float64)
-        end = np.empty(n, dtype=np.float64)
+        cols = np.fromiter(map(_columns_of, events), dtype=_COLUMNS, count=n)
+        prefill = EventKind.PREFILL
+        is_prefill = np.fromiter((ev.kind is prefill for ev in events), dtype=bool, count=n)
         first_seen: dict[ClientId, int] = {}
-        seen_idx = np.empty(n, dtype=np.int64)
-        for i, ev in enumerate(events):
-            t_s[i] = ev.t_s
-            is_prefill[i] = ev.kind is EventKind.PREFILL
-            input_len[i], extend_len[i], start[i], end[i] = (
-                ev.input_len,
-                ev.extend_len,
-                ev.start,
-                ev.end,
-            )
-            seen_idx[i] = first_seen.setdefault(ev.client, len(first_seen))
+        seen = first_seen.setdefault
+        seen_idx = np.fromiter(
+            (seen(c, len(first_seen)) for c in map(attrgetter("client"), events)), np.int64, n
+        )
         if type(cost) in _VECTORISABLE_COSTS:
-            service = np.where(
-                is_prefill,
-                cost.input_cost(input_len=input_len, extend_len=extend_len),
-                cost.output_cost(input_len=input_len, start=start, end=end),
-            ).astype(np.float64)
+            service = _vector_service(cost, cols, is_prefill)
         else:
             service = np.fromiter((event_service(cost, ev) for ev in events), np.float64, n)
         clients = sorted(first_seen)
         rank = np.empty(len(clients), dtype=np.int64)
         rank[[first_seen[c] for c in clients]] = np.arange(len(clients))
-        order = np.argsort(t_s, kind="stable")
+        order = np.argsort(cols["t_s"], kind="stable")
+        cols, is_prefill = cols[order], is_prefill[order]
         return cls(
             cost=cost,
             clients=tuple(clients),
-            t_s=t_s[order],
+            t_s=cols["t_s"],
             client_idx=rank[seen_idx[order]],
             service=service[order],
-            is_prefill=is_prefill[order],
-            num_tokens=np.where(is_prefill, input_len, end - start)[order],
+            is_prefill=is_prefill,
+            num_tokens=np.where(is_prefill, cols["input_len"], cols["end"] - cols["start"]),
+            columns=cols,
         )
+
+    def repriced(self, cost: CostFunction) -> EventArrays:
+        """The same events priced under ``cost`` (one of the vectorisable costs; any other
+        needs ``from_events``)."""
+        if type(cost) not in _VECTORISABLE_COSTS:
+            raise ValueError(f"{type(cost).__name__} is not priced column-wise: use from_events")
+        service = _vector_service(cost, self.columns, self.is_prefill)
+        return replace(self, cost=cost, service=service)
 
     def __len__(self) -> int:
         return len(self.t_s)
@@ -127,6 +133,14 @@ class EventArrays:
             idx = lo + np.searchsorted(seg_t[lo:hi], times, side=side)
             out[c] = cum[idx] - cum[lo]
         return out
+
+
+def _vector_service(cost: CostFunction, cols: np.ndarray, is_prefill: np.ndarray) -> np.ndarray:
+    return np.where(
+        is_prefill,
+        cost.input_cost(input_len=cols["input_len"], extend_len=cols["extend_len"]),
+        cost.output_cost(input_len=cols["input_len"], start=cols["start"], end=cols["end"]),
+    ).astype(np.float64)
 
 
 def _arrays(events: Sequence[ServiceEvent] | EventArrays, cost: CostFunction | None) -> EventArrays:

@@ -137,7 +137,7 @@ def harness_row(
     t_end = result.t_end_s
     perceived = metrics.EventArrays.from_events(events, PERCEIVED)
     summary = metrics.summarize(perceived, records, window_s=max(result.duration_s / 10, 10.0))
-    actual = metrics.EventArrays.from_events(events, ACTUAL)
+    actual = perceived.repriced(ACTUAL)
     interval = metrics.active_interval(records)
     jain_actual = None
     if interval is not None and interval[1] > interval[0]:

@@ -125,11 +125,11 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     events = result.events
     perceived = metrics.EventArrays.from_events(events, PERCEIVED)
     summary = metrics.summarize(perceived, records, window_s=max(spec.duration_s / 10, 10.0))
-    actual = metrics.EventArrays.from_events(events, ACTUAL)
+    actual = perceived.repriced(ACTUAL)
     well = {c.client for c in clients if c.well_behaved}
     demand = program_demand(programs).values()
     offered_tok_s = sum(d.input_tokens + d.output_tokens for d in demand) / spec.duration_s
-    served_tok_s = metrics.throughput(records, events, t0=0.0, t1=spec.duration_s)["tok_s"]
+    served_tok_s = metrics.throughput(records, perceived, t0=0.0, t1=spec.duration_s)["tok_s"]
     interval = metrics.active_interval(records)
     jain_actual = None
     if interval is not None and interval[1] > interval[0]:

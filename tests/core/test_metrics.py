@@ -141,6 +141,25 @@ def test_event_arrays_price_each_event_like_event_service(cost):
         per_client_service(arrays, WeightedTokens(w_out=5.0))
 
 
+@pytest.mark.parametrize("cost", [PrefixAwareTokens(), ProfiledQuadratic()])
+def test_repriced_arrays_equal_arrays_built_under_that_cost(cost):
+    rng = np.random.default_rng(1)
+    events = [
+        prefill(float(t), f"c{t % 3}", 40, extend_len=int(rng.integers(0, 41)), rid=str(t))
+        if t % 4 == 0
+        else decode(float(t % 17), f"c{t % 3}", 2, start=int(t), input_len=40)
+        for t in range(120)
+    ]  # many equal times: the stable order must carry over
+    got = EventArrays.from_events(events, WeightedTokens()).repriced(cost)
+    want = EventArrays.from_events(events, cost)
+    assert got.cost is cost
+    for field in ("t_s", "client_idx", "service", "is_prefill", "num_tokens"):
+        assert np.array_equal(getattr(got, field), getattr(want, field)), field
+    assert per_client_service(got) == pytest.approx(per_client_service(want))
+    with pytest.raises(ValueError, match="from_events"):
+        want.repriced(_ScalarOnlyCost())
+
+
 def test_per_client_service_half_open_interval():
     events = [prefill(1.0, "a", 10), decode(2.0, "a", 5), prefill(3.0, "b", 7)]
     assert per_client_service(events) == {"a": 20.0, "b": 7.0}
