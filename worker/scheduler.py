@@ -54,6 +54,8 @@ __all__ = ["IterationCost", "RunLog", "Scheduler", "SchedulerConfig", "Scheduler
 # decode token per context length (the signature of ``sim.CostModel.step_time``).
 IterationCost = Callable[..., float]
 
+_DECODE = EventKind.DECODE  # one per generated token: looked up once
+
 
 class Scheduler(SchedulerViewMixin):
     def __init__(
@@ -455,16 +457,13 @@ class Scheduler(SchedulerViewMixin):
                 self.running = [r for r in self.running if not self._maybe_finish(r)]
 
     def _emit_token(self, req: Request, token_id: int) -> None:
-        start = req.num_output
+        n = req.num_output
         req.output_ids.append(token_id)
         if req.first_token_s is None:
             req.first_token_s = self._now
         self.stats.num_decode_tokens += 1
-        self.log.events.append(
-            ServiceEvent(
-                self._now, req.client, req.rid, EventKind.DECODE, req.input_len, 0, start, start + 1
-            )
-        )
+        ev = ServiceEvent(self._now, req.client, req.rid, _DECODE, req.input_len, 0, n, n + 1)
+        self.log.events.append(ev)
         self.policy.on_tokens(req, 1)
 
     def _maybe_finish(self, req: Request) -> bool:
