@@ -75,7 +75,9 @@ def throttle_summary(calls: Sequence[CallRecord], programs: Sequence[Program]) -
     queue-full or rate-limit 429s are not throttles). An interaction is a program run; its
     *wasted* tokens are the prompt + output tokens of its calls that finished before one of
     its calls was throttled (the work the user never gets an answer from). A user is a
-    client; *served* means at least one of its started programs finished.
+    client; *served* means at least one of its started programs finished. Users throttled
+    are split as the workload knows them: *abusive* when any of its programs is a
+    misbehaving client's (the S1/S2 scenarios), *benign* otherwise.
     """
     throttled = [
         c
@@ -91,11 +93,15 @@ def throttle_summary(calls: Sequence[CallRecord], programs: Sequence[Program]) -
     started = [p for p in programs if p.num_issued > 0]
     users = {p.client for p in started}
     served = {p.client for p in started if p.done and not p.failed}
+    abusive = {p.client for p in programs if not p.well_behaved}
+    throttled_users = {c.client for c in throttled}
     return {
         "calls_throttled": len(throttled),
         "interactions_throttled": len(hit),
         "tokens_wasted": wasted,
-        "users_throttled": len({c.client for c in throttled}),
+        "users_throttled": len(throttled_users),
+        "benign_users_throttled": len(throttled_users - abusive),
+        "abusive_users_throttled": len(throttled_users & abusive),
         "users_served_pct": 100.0 * len(served) / len(users) if users else None,
     }
 

@@ -131,7 +131,9 @@ def totals_lines(results: Mapping[str, Any]) -> list[str]:
     if row.get("calls_throttled"):  # FairServe's OIT refused new interactions (429)
         lines.append(
             f"throttled: {row['interactions_throttled']} interactions of "
-            f"{row['users_throttled']} users, {row['tokens_wasted']} tokens wasted on them; "
+            f"{row['users_throttled']} users ({row['abusive_users_throttled']} misbehaving, "
+            f"{row['benign_users_throttled']} well-behaved), {row['tokens_wasted']} tokens "
+            "wasted on them; "
             f"users served {_f(row['users_served_pct'], '{:.1f}')} %"
         )
     if row.get("queue_delay_p50_s") is not None:  # the server reported meta_info.queue_time

@@ -460,8 +460,24 @@ def test_throttled_interactions_and_wasted_tokens_are_reported(fake):
     dims = [c for c in result.calls if c.program_id == "c1-judge-0" and c.state == "ok"]
     assert dims and row["tokens_wasted"] == sum(c.input_len + len(c.output_ids) for c in dims)
     assert row["calls_throttled"] == row["interactions_throttled"] == 1
-    assert row["users_throttled"] == 1
+    assert row["users_throttled"] == row["benign_users_throttled"] == 1
+    assert row["abusive_users_throttled"] == 0  # no scenario: every client is well-behaved
     assert row["users_served_pct"] == 100.0  # both clients finished other programs
+
+
+def test_throttled_users_are_split_by_what_the_workload_knows(fake):
+    """Scenario S1 makes c0 the misbehaving client: its throttled calls count it abusive, a
+    well-behaved client's count it benign."""
+    server = fake(throttle=r"-c[01]-judge-0/merge$")
+    specs, result = run_programs(
+        server, "judge", "s1", clients=2, duration=1.5, rate=3.0, seed=1, call_timeout_s=5.0
+    )
+    assert [s.well_behaved for s in specs] == [False, True]
+    row = harness_row(result, specs, workload_name="judge", scenario="s1", dp=1, seed=1)
+    thr = {c.client for c in result.calls if c.status == 429}
+    assert thr == {"c0", "c1"}
+    assert row["users_throttled"] == 2
+    assert row["abusive_users_throttled"] == row["benign_users_throttled"] == 1
 
 
 @pytest.mark.parametrize("reported", [True, False])
@@ -784,3 +800,18 @@ def test_stop_cuts_the_run_short_and_still_reports(fake):
     row = harness_row(result, specs, workload_name="longqa", scenario=None, dp=1, seed=0)
     assert row["stopped"] and row["num_programs_started"] == len(started)
     assert row["num_programs"] == len(programs)
+
+
+def test_loadtest_report_says_whom_it_throttled(fake, tmp_path):
+    from sgl_fair.loadtest.output import render_report, totals_lines
+
+    server = fake(throttle=r"-c0-judge-0/merge$")
+    results = run_loadtest(
+        LoadTestConfig(
+            url=server.url, workload="judge", scenario="s1", clients=2, duration_s=1.5,
+            rate=3.0, params=_small_params("judge"), seed=1, out=tmp_path / "lt",
+        )
+    )  # fmt: skip
+    line = next(x for x in totals_lines(results) if x.startswith("throttled:"))
+    assert "1 interactions of 1 users (1 misbehaving, 0 well-behaved)" in line, line
+    assert line in render_report(results)
