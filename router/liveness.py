@@ -2,8 +2,9 @@
 
 ``WorkerLiveness`` is a mixin of ``RouterService`` (``router/service.py``) and uses its state:
 ``router``, ``workers``, ``calls``, ``telemetry``, ``clock``, ``closing``, ``restarter``,
-``restart_backoff_s``, ``heartbeat_timeout_s``, ``max_attempts``, ``pull``, ``ready``, and
-its ``_dispatch``, ``_send``, ``_fail`` and ``_on_frame``. The rules (which worker counts as
+``restart_backoff_s``, ``heartbeat_timeout_s``, ``max_attempts``, ``pull``, ``ready``, the
+counters ``num_redispatched`` and ``num_failed_by_death``, and its ``_dispatch``, ``_send``,
+``_fail`` and ``_on_frame``. The rules (which worker counts as
 dead, what happens to its calls, how restarts back off) are in the service's docstring.
 """
 
