@@ -37,6 +37,7 @@ from sgl_fair.records import EventKind, ServiceEvent
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker import share_guard
 from sgl_fair.worker.engine import Batch, PrefillChunk, StepResult
+from sgl_fair.worker.kv.base import OutOfMemory
 from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
 from sgl_fair.worker.scheduler_state import (  # re-exported: their home for callers
     RunLog,
@@ -215,8 +216,8 @@ class Scheduler(SchedulerViewMixin):
             else:
                 decode = self.running
                 done = self.kv.allocate_each(decode)
-                if done < len(decode):
-                    self.kv.allocate(decode[done], 1)  # raises: _ensure_decode_memory erred
+                if done < len(decode):  # _ensure_decode_memory left too little: a bug
+                    raise OutOfMemory(f"no KV for the next token of {decode[done]!r}")
             self._blocked_decode_steps = (
                 self._blocked_decode_steps + 1 if self._admission_blocked else 0
             )

@@ -666,3 +666,19 @@ def test_full_reservation_never_retracts_over_random_runs(
     drive(sched, FixedEngine(), reqs)
     assert sched.stats.num_retractions == 0
     assert_finished_exactly([r for r in reqs if r.phase is not Phase.REJECTED])
+
+
+def test_a_decode_without_room_is_a_clear_error_not_a_silent_skip(monkeypatch) -> None:
+    """If making room before a decode step ever erred, the step stops with OutOfMemory naming
+    the request, rather than running it without KV for its token."""
+    from sgl_fair.worker.kv.base import OutOfMemory
+
+    sched = make_scheduler("fcfs", capacity=100)
+    sched.add_request(Request("a", "c", unique_tokens(10), 8, 0.0), 0.0)
+    batch = sched.step(0.0)  # the prefill
+    assert batch is not None and batch.prefill
+    sched.apply(StepResult(batch, 0.01, [7]), 0.01)
+    monkeypatch.setattr(sched, "_ensure_decode_memory", lambda: None)  # the bug
+    sched.kv.allocate(object(), sched.kv.allocator.num_free_tokens())  # someone took the rest
+    with pytest.raises(OutOfMemory, match="'a'"):
+        sched.step(0.02)
