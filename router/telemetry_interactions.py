@@ -15,9 +15,10 @@ percentages are ratios of counters (PromQL in ``docs/operators.md``):
   load-test report counts them: what it had spent when the throttle came, and what it
   spends after;
 * ``sgl_fair_users_total``, ``..._users_served_total`` (a call answered),
-  ``..._users_queued_total`` (a call that waited more than ``queued_s`` in a worker's queue,
-  1 s as in the experiments) and ``..._users_throttled_total``: each user counted once per
-  (tenant, app), so "% of users who saw queueing delay" is ``users_queued / users``.
+  ``..._users_queued_total`` (a call that waited in a worker's queue more than ``queued_s``:
+  ``sgl_fair.records.QUEUED_S``, 1 s, as in the experiments) and
+  ``..._users_throttled_total``: each user counted once per (tenant, app), so "% of users
+  who saw queueing delay" is ``users_queued / users``.
 
 A user is a request's client id (with auth on, bound to the API key's tenant). Memory is
 bounded: at most ``max_tracked`` users and as many interactions are remembered, the least
@@ -32,7 +33,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-QUEUED_S = 1.0  # a call that waited longer saw queueing delay (workloads/program_metrics.py)
+from sgl_fair.records import QUEUED_S
 
 _SERVED, _QUEUED, _THROTTLED = 1, 2, 4  # what a user has been counted for, as bits
 

@@ -12,6 +12,11 @@ from dataclasses import asdict, dataclass
 
 from sgl_fair.request import ClientId, Phase, Request, ServiceClass
 
+# A call that waited longer than this in a worker's queue before admission counts as *queued*
+# (FairServe's "% of users who saw queueing delay"): the experiments, the load test and the
+# live router's /metrics all use it.
+QUEUED_S = 1.0
+
 
 class EventKind(str, enum.Enum):
     PREFILL = "prefill"  # request admitted: input service is counted at admission (VTC fn. 5)

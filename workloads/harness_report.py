@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 
 from sgl_fair import metrics
-from sgl_fair.records import EventKind
+from sgl_fair.records import QUEUED_S, EventKind
 
 from .combos import label_of
 from .harness import HarnessResult
 from .loadclient import CallRecord
-from .program_metrics import ACTUAL, PERCEIVED, QUEUED_S, client_latencies, service_series
+from .program_metrics import ACTUAL, PERCEIVED, client_latencies, service_series
 from .program_metrics import well_behaved_latency_of as _wb_latency
 from .programs import Program, ProgramClient
 

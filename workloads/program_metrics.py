@@ -25,10 +25,6 @@ from sgl_fair.records import RequestRecord, ServiceEvent
 from sgl_fair.request import Request
 from sgl_fair.workloads.programs import Program
 
-# A call that waited longer than this before admission counts as *queued* (FairServe's
-# "% of users who saw queueing delay"): the experiments and the load test both use it.
-QUEUED_S = 1.0
-
 PERCEIVED = WeightedTokens()  # what clients are billed: input + 2 × output
 ACTUAL = PrefixAwareTokens()  # what the GPU did: extend + 2 × output
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sgl_fair.records import QUEUED_S
 from sgl_fair.request import Phase, Request
-from sgl_fair.workloads.program_metrics import QUEUED_S
 
 if TYPE_CHECKING:
     from sgl_fair.experiment.fairserve import Interaction

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sgl_fair.workloads.program_metrics import QUEUED_S
+from sgl_fair.records import QUEUED_S
 
 from .config import FRONTEND, NATIVE
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from live_helpers import metric
 
+from sgl_fair.records import QUEUED_S
 from sgl_fair.router.telemetry import MAX_APP_LABELS, Telemetry
-from sgl_fair.router.telemetry_interactions import QUEUED_S
 
 
 def answered(t, user, iid, *, tenant="acme", app="agent", tokens=10, queue_s=0.0, ttft_s=0.1):
