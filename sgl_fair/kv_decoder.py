@@ -25,6 +25,7 @@ from sgl_fair.kv_events import (
     KVEvent,
     Tokens,
 )
+from sgl_fair.radix import common_len
 
 
 class Stored(msgspec.Struct, frozen=True, gc=False):
@@ -65,15 +66,6 @@ class _Block:
         self.parent = parent
         self.tokens = tokens
         self.children: int | Children | None = None
-
-
-def _common_len(a: Tokens, b: Tokens) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class KVEventDecoder:
@@ -270,12 +262,12 @@ class KVEventDecoder:
         while j >= 0 and siblings[j][1] in gone:
             j -= 1
         if j >= 0:
-            held = _common_len(tokens, siblings[j][0])
+            held = common_len(tokens, siblings[j][0], 0)
         j = i + 1 if i < len(siblings) and siblings[i][1] == h else i
         while j < len(siblings) and siblings[j][1] in gone:
             j += 1
         if j < len(siblings):
-            held = max(held, _common_len(tokens, siblings[j][0]))
+            held = max(held, common_len(tokens, siblings[j][0], 0))
         return held
 
     def _forget(self, root: int) -> None:

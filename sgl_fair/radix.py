@@ -80,7 +80,7 @@ class InsertResult(NamedTuple):
     num_new: int  # tokens newly added (= len(tokens) - prefix_len)
 
 
-def _common_len(key: Tokens, tokens: Tokens, start: int) -> int:
+def common_len(key: Tokens, tokens: Tokens, start: int) -> int:
     """Common prefix length of ``key`` and ``tokens[start:]``: bisects with slice compares
     (C speed), O(log n) compares instead of n Python steps."""
     lo, hi = 0, min(len(key), len(tokens) - start)  # key[:lo] == tokens[start:start+lo]
@@ -163,7 +163,7 @@ class RadixTree:
             key = child.key
             end = pos + len(key)
             if end > n or tokens[end - 1] != key[-1] or tokens[pos:end] != key:  # inside the edge
-                pos += _common_len(key, tokens, pos)
+                pos += common_len(key, tokens, pos)
                 break
             if touch:
                 child.last_access = tick
@@ -190,7 +190,7 @@ class RadixTree:
             key = child.key
             end = pos + len(key)
             if end > n or tokens[end - 1] != key[-1] or tokens[pos:end] != key:  # inside the edge
-                length = pos + _common_len(key, tokens, pos)
+                length = pos + common_len(key, tokens, pos)
                 for owner in child.owners:
                     owner_lens[owner] = length
                 return OwnersMatch(length, node, owner_lens, pos, self._version)
@@ -236,7 +236,7 @@ class RadixTree:
             if tokens[pos:end] != key:
                 # Diverges (or ends) inside this edge: cut it there so a node ends at the
                 # divergence point; the new upper node is then on our path.
-                split_at = _common_len(key, tokens, pos)
+                split_at = common_len(key, tokens, pos)
                 child = self._split(child, split_at)
                 end = pos + split_at
             child.last_access = tick
