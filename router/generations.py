@@ -65,20 +65,26 @@ async def run_to_end(request: HTTPRequest, gens: list[Generation]) -> None:
 
     task = asyncio.gather(*(one(g) for g in gens))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
-            if done:
-                task.result()
-                return
-            if await request.is_disconnected():
-                for g in gens:
-                    g.abort("client disconnected")
-                await task
-                return
+        if not await _done_unless_gone(request, task):
+            for g in gens:
+                g.abort("client disconnected")
+            await task
     except asyncio.CancelledError:
         for g in gens:
             g.abort("client disconnected")
         raise
+
+
+async def _done_unless_gone(request: HTTPRequest, task: asyncio.Future) -> bool:
+    """Wait for ``task``: True once it is done (raising what it raised), False as soon as
+    the client disconnects (checked every second)."""
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        if done:
+            task.result()
+            return True
+        if await request.is_disconnected():
+            return False
 
 
 def prepare(
@@ -130,17 +136,10 @@ async def first_events(
 
     leads = [g for g in gens if g.lead is None]
     task = asyncio.gather(*(first(g) for g in leads))
-    gone = False
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
-            if done:
-                task.result()
-                break
-            if await request.is_disconnected():
-                gone = True
-                task.cancel()
-                break
+        gone = not await _done_unless_gone(request, task)
+        if gone:
+            task.cancel()
     except BaseException:
         task.cancel()
         _give_up(state, gens, who, "client disconnected")
