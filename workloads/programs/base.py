@@ -37,7 +37,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,7 +45,6 @@ import numpy as np
 from sgl_fair.registry import Registry
 from sgl_fair.request import Request
 
-from ..lengths import LengthDist, as_length_dist
 from ..traces import DEFAULT_VOCAB_SIZE, group_tokens
 
 VOCAB_SIZE = DEFAULT_VOCAB_SIZE
@@ -389,72 +388,6 @@ def program_rngs(seed: int, num: int) -> list[np.random.Generator]:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"program: field 'seed' must be an integer >= 0 (got {seed!r})")
     return [np.random.default_rng([int(seed), stream]) for stream in range(num)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Config validation (configs are frozen dataclasses; errors name the field)
-
-
-def check_int(owner: object, name: str, *, minimum: int, maximum: int | None = None) -> None:
-    value = getattr(owner, name)
-    ok = not isinstance(value, bool) and isinstance(value, (int, np.integer))
-    if not ok or value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{type(owner).__name__}: field {name!r} must be an integer {bound}")
-
-
-def check_real(owner: object, name: str, *, positive: bool = False) -> None:
-    value = getattr(owner, name)
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{type(owner).__name__}: field {name!r} must be a number {bound}")
-
-
-def check_length(owner: object, name: str, *, allow_zero: bool = False) -> None:
-    """A length field: a ``LengthDist`` or an int (made :class:`Fixed`); with ``allow_zero``,
-    0 means "none" and is kept as 0."""
-    value = getattr(owner, name)
-    if allow_zero and not isinstance(value, bool) and isinstance(value, int) and value == 0:
-        return
-    try:
-        object.__setattr__(owner, name, as_length_dist(value))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{type(owner).__name__}: field {name!r} must be a length distribution or an "
-            f"integer >= {0 if allow_zero else 1} (got {value!r})"
-        ) from None
-
-
-def length(default: LengthDist | int, *, allow_zero: bool = False) -> Any:
-    """A :class:`ProgramConfig` field holding a length (see :func:`check_length`)."""
-    return field(default=default, metadata={"length": {"allow_zero": allow_zero}})
-
-
-class ProgramConfig:
-    """Base of the frozen dataclass configs of the kinds that open with the client's header.
-
-    Such a config has an integer ``header_len`` field (>= 0); its :func:`length` fields are
-    checked in field order, after the kind's own checks (its ``__post_init__`` calls this
-    one).
-    """
-
-    def __post_init__(self) -> None:
-        check_int(self, "header_len", minimum=0)
-        for f in fields(self):
-            if "length" in f.metadata:
-                check_length(self, f.name, **f.metadata["length"])
-
-
-def sample_len(dist: LengthDist | int, rng: np.random.Generator) -> int:
-    """One length (0 for a field left at 0)."""
-    if isinstance(dist, int):
-        return dist
-    return int(dist.sample(1, rng)[0])
-
-
-def sample_lens(dist: LengthDist, n: int, rng: np.random.Generator) -> list[int]:
-    return dist.sample(n, rng).tolist()
 
 
 # ---------------------------------------------------------------------------------------------

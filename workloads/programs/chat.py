@@ -38,14 +38,11 @@ from .base import (
     GeneratedProgram,
     Out,
     PromptOf,
-    check_int,
-    check_length,
-    check_real,
     draw_tokens,
     register_program,
-    sample_lens,
     shared_tokens,
 )
+from .program_config import check_int, check_length, check_real, sample_lens
 
 
 @dataclass(frozen=True)

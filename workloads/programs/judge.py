@@ -42,15 +42,11 @@ from .base import (
     GeneratedProgram,
     Out,
     Part,
-    ProgramConfig,
-    check_int,
     draw_diverging,
     draw_tokens,
-    length,
     register_program,
-    sample_len,
-    sample_lens,
 )
+from .program_config import ProgramConfig, check_int, length, sample_len, sample_lens
 
 
 @dataclass(frozen=True)

@@ -33,18 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..lengths import LengthDist, Uniform
-from .base import (
-    CallPlan,
-    GeneratedProgram,
-    ProgramConfig,
-    check_int,
-    check_real,
-    draw_diverging,
-    length,
-    register_program,
-    sample_len,
-    sample_lens,
-)
+from .base import CallPlan, GeneratedProgram, draw_diverging, register_program
+from .program_config import ProgramConfig, check_int, check_real, length, sample_len, sample_lens
 
 
 @dataclass(frozen=True)

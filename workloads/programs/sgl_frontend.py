@@ -45,7 +45,7 @@ from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import sglang as sgl
 
-from .base import check_int
+from .program_config import check_int
 from .questions import context_for, question_for
 from .sgl_endpoint import CallLog, ClientEndpoint, FrontendCallError, requests_by_kind
 

@@ -38,19 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..lengths import LengthDist, Uniform
-from .base import (
-    CallPlan,
-    GeneratedProgram,
-    Out,
-    ProgramConfig,
-    PromptOf,
-    check_int,
-    draw_diverging,
-    length,
-    register_program,
-    sample_len,
-    sample_lens,
-)
+from .base import CallPlan, GeneratedProgram, Out, PromptOf, draw_diverging, register_program
+from .program_config import ProgramConfig, check_int, length, sample_len, sample_lens
 
 MAX_CALLS = 20_000  # a guard against typos like branches=40
 
