@@ -1,5 +1,6 @@
 """What the scheduler answers its policy (``sgl_fair.policies.base.SchedulerView``): the
-clock, cached prefix lengths, KV need and room per request, the chunk a step continues first,
+clock, cached prefix lengths, KV need and room per request (and the room retracting a running
+request would add), the chunk a step continues first,
 checkpointed and device slots, and the KV usage FairServe's OIT probes.
 
 A mixin of ``Scheduler`` (``worker/scheduler.py``), kept apart so that module stays about
@@ -28,6 +29,7 @@ class SchedulerViewMixin:
     _match_memo: dict[Request, MatchMemo]
     _handles: dict[Request, PrefixHandle]
     _checkpointed_of: Callable[[Request], int] | None
+    new_token_ratio: float
     # and ``Scheduler._reserved_tokens(req)``: the running requests' reserved KV
 
     def kv_usage(self) -> float:
@@ -67,6 +69,18 @@ class SchedulerViewMixin:
         """Room the admission test gives ``req`` now (for its class: an RT request may
         overwrite BE KV under bidirectional blocks), net of the running requests' reservation."""
         return self.kv.available_tokens(req) - self._reserved_tokens(req)
+
+    def kv_freed_by(self, victim: Request, req: Request) -> float:
+        """Room ``req``'s admission test (``kv_room``) would gain if running ``victim`` were
+        retracted: the KV only ``victim`` holds, plus its output reservation. 0 where
+        ``req``'s room counts ``victim``'s KV already (an allocator on which ``req`` may
+        overwrite ``victim``'s class: bidirectional blocks, RT over BE)."""
+        handle = self._handles.get(victim)
+        if handle is None or victim.service_class.value in self.kv.overwrites(req):
+            return 0.0
+        clip = self.config.clip_max_new_tokens
+        reserve = self.new_token_ratio * min(victim.remaining_new_tokens, clip)
+        return self.kv.freed_by_release(victim, handle) + reserve
 
     def kv_slots(self, req: Request) -> list[int]:
         """Flat device KV slots of ``req``'s positions, in order (exact caches only)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from sgl_fair.request import Phase, Request
+from sgl_fair.request import Phase, Request, ServiceClass
 from sgl_fair.worker.engine import Batch, PrefillChunk
 from sgl_fair.worker.kv.base import OutOfMemory
 
@@ -48,7 +48,7 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
             if chunk.last:
                 promised += min(chunk.req.remaining_new_tokens, cfg.clip_max_new_tokens) - 1
     if admit and sched.chunked is None and budget > 0:
-        _make_room(sched, admit[0], decode, promised)
+        _make_room(sched, admit, decode, promised, budget)
         num_active = len(sched.running) + len(chunks)
         chunks.extend(sched._admit(budget, num_active, promised, iter(admit)))
     sched._admission_blocked = False
@@ -218,17 +218,32 @@ def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
     return decode
 
 
-def _make_room(sched: Scheduler, req: Request, decode: list[Request], promised: int) -> None:
-    """Retract paused (unchosen) running requests until the policy's first pick fits.
+def _make_room(
+    sched: Scheduler, admit: list[Request], decode: list[Request], promised: int, budget: int
+) -> None:
+    """Retract paused (unchosen) running requests until the policy's picks fit, in pick order
+    and as far as the step's prefill budget reaches (``Scheduler._victim`` chooses whom). An
+    RT pick retracts only BE requests (BROS counts their KV as its room, SPEC §5 l.5; an RT
+    request never loses its KV to another); a BE pick, the first only, any paused request.
+    Stops at the first pick that cannot be made to fit.
 
     Not on an allocator that overwrites by class (bidirectional): there an RT request's room
     already counts the BE KV it may overwrite (retracting BE adds none) and a BE request
     must not cost other requests their progress; the policy checked ``kv_room`` already."""
-    if sched.kv.overwrites(req) or sched.kv.keeps_private(req):
-        return
-    need = sched.kv_need(req)
-    while need > sched.kv_room(req) - promised:
-        paused = [r for r in sched.running if r not in decode]
-        if not paused:
+    need = 0
+    for i, req in enumerate(admit):
+        if budget <= 0 or sched.kv.overwrites(req) or sched.kv.keeps_private(req):
             return
-        sched._retract(sched._victim(paused))
+        need += sched.kv_need(req)
+        budget -= req.seq_len - min(sched.prefix_len(req), req.seq_len - 1)
+        while need > sched.kv_room(req) - promised:
+            paused = [r for r in sched.running if r not in decode]
+            if i or req.service_class is ServiceClass.RT:
+                paused = [r for r in paused if _outranks(req, r)]
+            if not paused:
+                return
+            sched._retract(sched._victim(paused))
+
+
+def _outranks(req: Request, other: Request) -> bool:
+    return req.service_class is ServiceClass.RT and other.service_class is ServiceClass.BE

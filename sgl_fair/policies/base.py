@@ -27,9 +27,11 @@ running ones left out are paused with their KV. ``cost(prefill_chunks=[(num_new,
 num_context)], decode_context_lens=[...]) -> seconds`` is the iteration cost model (the
 simulator's ``CostModel.step_time``; None if the scheduler was built without one); it reads
 its list arguments during the call and keeps none (BROS reuses them). The ``view`` may also
-offer ``kv_need(req)`` and ``kv_room(req)`` (the scheduler's admission test, per class) and
-``checkpointed_slots(req)``. Such a policy's ``order`` is never called; ``victim(pool)``, if
-defined, picks whom to retract.
+offer ``kv_need(req)`` and ``kv_room(req)`` (the scheduler's admission test, per class),
+``kv_freed_by(victim, req)`` (the room retracting running ``victim`` adds to ``req``'s) and
+``checkpointed_slots(req)``. The scheduler retracts paused (unchosen) requests to make room
+for the picks, in order: an RT pick only BE requests, a BE pick (the first) any. Such a
+policy's ``order`` is never called; ``victim(pool)``, if defined, picks whom to retract.
 Policies without ``select_batch`` take the admission walk above, unchanged.
 
 Service measure (optional; the scheduler's share guard, ``worker/share_guard.py``). A policy

@@ -16,6 +16,13 @@ object the simulator charges, ``T_iter = cost(prefill_chunks=..., decode_context
   scheduled. *Our reading:* RT requests that cannot meet their deadline even alone
   (``remaining`` below one bare iteration) are scheduled first and do not set ``residual``
   — otherwise one late request would cap every later batch at one request.
+* **Memory** (l.5: RT is added "while blocks are available (free or preemptible BE-only
+  blocks)"): every pick must fit the scheduler's room (``view.kv_room``). On bidirectional
+  blocks an RT request's room already counts the BE slots it may overwrite (lazy
+  checkpointing). On allocators without them (token, paged) the running BE requests' KV is
+  preemptible by recompute: an RT pick may count it (``view.kv_freed_by``), the BE requests
+  it needs are left out of the BE phase, and the scheduler retracts them for the pick,
+  fewest generated tokens first (``victim``). ``preempt_be=False``: it waits for free KV.
 * **BE phase** (l.17–33): BE requests sorted by checkpointed slots, fewest first (with an
   ``inner`` fairness policy, the least-served client first: VTC counter / DLPM deficit);
   each is added while the batch is not full, else it replaces the least-urgent scheduled RT
@@ -72,12 +79,19 @@ class BROS(BasePolicy):
         ema: float = 0.2  # weight of the newest iteration in T̄
         inner: str = "none"  # fairness among BE clients: none | vtc | dlpm
         inner_options: Mapping[str, Any] = field(default_factory=dict)
+        # An RT request that does not fit the free KV may take running BE requests' KV by
+        # retracting them (recompute), on allocators where RT cannot overwrite BE slots
+        # (token, paged); False: it waits for free KV (the bidirectional ablation's baseline).
+        preempt_be: bool = True
 
         def __post_init__(self) -> None:
             if (self.b0 is not None and self.b0 < 1) or self.b_step < 0 or self.group_size < 1:
                 raise ValueError("bros: need b0 >= 1, b_step >= 0, group_size >= 1")
             if not 0 < self.ema <= 1:
                 raise ValueError(f"bros: ema must be in (0, 1] (got {self.ema})")
+            if not isinstance(self.preempt_be, bool):
+                bad = self.preempt_be
+                raise ValueError(f"bros: preempt_be must be true or false (got {bad!r})")
             if self.inner not in INNER_POLICIES:
                 raise ValueError(
                     f"bros: inner must be one of {', '.join(INNER_POLICIES)} (got {self.inner!r})"
@@ -159,6 +173,13 @@ class BROS(BasePolicy):
         """Retract BE first, then the RT with the most slack; fewest tokens lost within."""
         return max(pool, key=lambda r: (r.service_class is ServiceClass.BE, -r.num_output))
 
+    @staticmethod
+    def _preemptible(be: Sequence[Request]) -> list[Request]:
+        """Running BE requests in the order ``victim`` retracts them (fewest tokens first)."""
+        running = [r for r in be if r.phase is Phase.RUNNING]
+        running.sort(key=lambda r: r.num_output)  # stable: ties keep the scheduler's order
+        return running
+
     # ---------------------------------------------------------------- deadlines
 
     def _stamp(self, now: float) -> None:
@@ -198,10 +219,10 @@ class BROS(BasePolicy):
         batch = _Batch(cost, view, self._cost_swap, chunk[:2] if chunk else None)
         if chunk is not None and not chunk[2]:  # the prompt goes on: this step admits nothing
             candidates = [r for r in candidates if r.phase is not Phase.WAITING]
-        mem = _Memory(view)
         rt, be = [], []
         for r in candidates:
             (rt if r.service_class is ServiceClass.RT else be).append(r)
+        mem = _Memory(view, (lambda: self._preemptible(be)) if self.config.preempt_be else None)
         limit = self.batch_limit
         # Only the `limit` most urgent RT requests can enter the batch: a partial sort.
         urgent = heapq.nsmallest(limit, [(self.remaining_s(r, now), r.seq, r) for r in rt])
@@ -213,7 +234,8 @@ class BROS(BasePolicy):
         for left, _, r in urgent:
             if len(batch) + len(pending) >= limit:
                 break
-            if not mem.take_if_fits(r):  # l.5: only while blocks are available (else it waits)
+            # l.5: only while blocks are available, free or BE's (else it waits)
+            if not (mem.take_if_fits(r) or mem.take_preempting(r)):
                 continue
             doomed = left < floor_s
             if doomed or not batch:
@@ -237,6 +259,9 @@ class BROS(BasePolicy):
             for r in pending[k:]:
                 mem.give(r)
             early = k < len(pending)  # l.11–12: the first that did not fit ends the batch
+        mem.settle()
+        if mem.claimed:  # retracted for the RT picks (select_step._make_room): not chosen
+            be = [b for b in be if id(b) not in mem.claimed]
         if not early:
             self._be_phase(batch, mem, be, rem, residual, limit)
         chosen = batch.requests()

@@ -34,13 +34,24 @@ class _Memory:
     without them (no memory model) never says no. Checking here keeps the scheduler from
     retracting running requests to make room for a pick that does not fit."""
 
-    def __init__(self, view: SchedulerView) -> None:
+    def __init__(
+        self, view: SchedulerView, preemptible: Callable[[], Sequence[Request]] | None = None
+    ) -> None:
         self._room_of = getattr(view, "kv_room", None)
         self._need_of = getattr(view, "kv_need", None)
         self._ckpt = getattr(view, "checkpointed_slots", None)
         self._room: dict[ServiceClass, float] = {}
         self._needs: dict[int, int] = {}
         self.taken = 0
+        # Running BE requests an RT pick may retract for room (recompute), in the order the
+        # scheduler retracts them (``BROS.victim``), and what each frees: listed when an RT
+        # request first does not fit (``preemptible`` lists them; None: never).
+        self._freed_by = getattr(view, "kv_freed_by", None)
+        self._preemptible = preemptible if self._freed_by is not None else None
+        self._pool: Sequence[Request] = ()
+        self._pool_freed: list[float] | None = None
+        self.bonus = 0.0  # room the claimed victims free, for every class
+        self.claimed: set[int] = set()  # id()s of the BE requests to retract this step
 
     def _need(self, req: Request) -> int:
         n = self._needs.get(id(req))
@@ -60,7 +71,7 @@ class _Memory:
         if cls not in self._room:
             self._room[cls] = self._room_of(req)
         freed = 0 if without is None else self._need(without)
-        return self.taken - freed + need <= self._room[cls]
+        return self.taken - freed + need <= self._room[cls] + self.bonus
 
     def take_if_fits(self, req: Request) -> bool:
         """``take`` if ``fits``, in one call (the RT loop's common case)."""
@@ -71,6 +82,34 @@ class _Memory:
             return False
         self.taken += need
         return True
+
+    def take_preempting(self, req: Request) -> bool:
+        """``take`` an RT request that does not fit the room as it is but would once running
+        BE requests are retracted (SPEC §5 l.5: BE blocks are preemptible; here by
+        recompute). Which ones: ``settle`` decides, once the RT picks are final."""
+        if self._preemptible is None or req.service_class is not ServiceClass.RT:
+            return False
+        if self._pool_freed is None:
+            self._pool = self._preemptible()
+            self._pool_freed = [self._freed_by(v, req) for v in self._pool]
+        need = self._need(req)
+        if self.taken + need > self._room[req.service_class] + sum(self._pool_freed):
+            return False
+        self.taken += need
+        return True
+
+    def settle(self) -> None:
+        """Claim victims, in retraction order, until they free what the RT picks took beyond
+        the room; the BE phase must not choose them, and their room counts for every pick."""
+        room = self._room.get(ServiceClass.RT)
+        if self._pool_freed is None or room is None:
+            return
+        for victim, freed in zip(self._pool, self._pool_freed, strict=True):
+            if self.taken <= room + self.bonus:
+                break
+            if freed > 0:
+                self.claimed.add(id(victim))
+                self.bonus += freed
 
     def take(self, req: Request) -> None:
         self.taken += self._need(req)

@@ -115,35 +115,8 @@ def test_be_kv_enters_the_tree_when_it_finishes_not_after_its_prefill() -> None:
         assert sched.kv.tree.total_tokens >= 40  # cached for the next request either way
 
 
-def test_bros_never_retracts_a_running_rt_request_to_admit_another() -> None:
-    """A pool RT requests alone overflow, beside BE work: RT requests wait for room instead of
-    taking it from running RT requests (which then miss their own deadlines, and so on)."""
-    import random
-
-    rng = random.Random(3)
-    rts = [
-        Request(f"rt{i}", "chat", unique_tokens(rng.randint(20, 160)), rng.randint(10, 60),
-                i * 0.01, service_class=ServiceClass.RT)
-        for i in range(60)
-    ]  # fmt: skip
-    bes = [
-        Request(f"be{i}", "batch", unique_tokens(rng.randint(60, 120)), rng.randint(5, 30),
-                0.0, service_class=ServiceClass.BE)
-        for i in range(12)
-    ]  # fmt: skip
-    sched = scheduler("bros", "bidirectional", 1600)
-    retracted: list[Request] = []
-    real = sched._retract
-
-    def spy(req: Request) -> None:
-        retracted.append(req)
-        real(req)
-
-    sched._retract = spy
-    drive(sched, SimEngine(COST), rts + bes, token_pool=False)
-    assert_finished_exactly(rts + bes)
-    assert not [r for r in retracted if r.service_class is ServiceClass.RT]
-    assert sched.stats.num_decode_steps > 0
+# test_bros_never_retracts_a_running_rt_request_to_admit_another: test_bros_preempt.py runs
+# it on every allocator.
 
 
 # ---------------------------------------------------------------- BROS's packing

@@ -365,6 +365,17 @@ class PrefixKVCache:
             self._kv_events.append(("cleared", (), 0))
         return True
 
+    def freed_by_release(self, owner: Hashable, handle: PrefixHandle) -> int:
+        """About the tokens ``release(owner, handle)`` would make available: what ``owner``
+        holds privately, plus the prefix edges only it locks (they become evictable).
+        Blocks shared with cached tokens may keep a few of them in use."""
+        freed = self.allocator.held(owner)
+        node, root = handle.node, self.tree.root
+        while node is not root and node.lock_ref == 1:  # ancestors: lock_ref >= a child's
+            freed += len(node.key)
+            node = node.parent
+        return freed
+
     def release(self, owner: Hashable, handle: PrefixHandle) -> None:
         """Free everything ``owner`` holds privately and unlock its prefix."""
         self.allocator.free(owner)
