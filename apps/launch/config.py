@@ -16,6 +16,7 @@ from sgl_fair.launch.flags import build_parser, gpu_visible
 from sgl_fair.policies import make_policy, policy_class, policy_names
 from sgl_fair.router.oit import SHARED_KEYS, ClusterOITConfig
 from sgl_fair.router.policies import make_router_policy, router_policy_names
+from sgl_fair.worker.kv.registry import make_allocator
 from sgl_fair.worker.sglang.settings import batch_selecting
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.hardware import GPUS, MODELS, get_gpu, get_model
@@ -78,6 +79,7 @@ class LaunchConfig:
     torch_device: str = "cpu"
     torch_attention: str = "reference"
     kv_allocator: str = "token"
+    kv_allocator_opts: dict[str, Any] = field(default_factory=dict)
 
 
 def _kv(items: Sequence[str], flag: str) -> dict[str, Any]:
@@ -132,9 +134,18 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         if getattr(a, f) is None:
             setattr(a, f, default)
     if a.kv_allocator is None:
+        if a.kv_allocator_opt and backend != "sglang":
+            bad("--kv-allocator-opt: name the allocator with --kv-allocator")
         a.kv_allocator = "token"
     elif backend == "sglang":
         bad("--kv-allocator: SGLang servers allocate their own KV (sim or torch backends only)")
+    if a.kv_allocator_opt and backend == "sglang":
+        bad("--kv-allocator-opt: SGLang servers allocate their own KV (sim or torch backends only)")
+    try:
+        alloc_opts = _kv(a.kv_allocator_opt, "--kv-allocator-opt")
+        make_allocator(a.kv_allocator, 4096, **alloc_opts)  # checks the options, names the bad one
+    except ValueError as e:
+        bad(f"--kv-allocator-opt: {e}")
     if backend == "torch":
         _check_torch(a, bad)
         if model_path is None and os.path.isdir(a.model):
@@ -277,6 +288,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         torch_device=a.torch_device,
         torch_attention=a.torch_attention,
         kv_allocator=a.kv_allocator,
+        kv_allocator_opts=alloc_opts,
     )
 
 

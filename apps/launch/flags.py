@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bidirectional: BROS blocks, RT from the left, BE from the right, host checkpoints)",
     )  # fmt: skip
     p.add_argument(
+        "--kv-allocator-opt", action="append", default=[], metavar="KEY=VALUE",
+        help="an option of --kv-allocator (repeatable): block_size (paged, bidirectional; "
+        "default 16), host_capacity_tokens (bidirectional: host memory for checkpointed BE KV, "
+        "in tokens; default as much as the device pool)",
+    )  # fmt: skip
+    p.add_argument(
         "--worker-url", action="append", default=[], metavar="URL",
         help="sglang: an SGLang server that is already running (repeat: one per worker; "
         "dp = their number); the launcher then starts no server",

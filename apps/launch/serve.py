@@ -103,6 +103,7 @@ def sim_worker_configs(cfg: LaunchConfig, state: Any) -> list[Any]:
             torch_threads=max(1, (os.cpu_count() or 1) // cfg.dp),
         )
     torch_opts["kv_allocator"] = cfg.kv_allocator  # the sim's scheduler runs on it too
+    torch_opts["kv_allocator_opts"] = dict(cfg.kv_allocator_opts)
 
     sched = SchedulerConfig(
         max_running_requests=cfg.max_running_requests,

@@ -174,6 +174,16 @@ def test_sim_is_unchanged():
         (["--torch-dtype", "float16"], "--torch-dtype: only with --backend torch"),
         (["--backend", "sglang", "--model-path", "m", "--kv-allocator", "paged"],
          "--kv-allocator: SGLang servers allocate their own KV"),
+        (["--kv-allocator-opt", "block_size=8"],
+         "--kv-allocator-opt: name the allocator with --kv-allocator"),
+        (["--kv-allocator", "token", "--kv-allocator-opt", "block_size=8"],
+         "--kv-allocator-opt: KV allocator 'token' has no option 'block_size'"),
+        (["--kv-allocator", "paged", "--kv-allocator-opt", "block_size=0"],
+         "--kv-allocator-opt: block_size must be an integer >= 1 (got 0)"),
+        (["--kv-allocator", "bidirectional", "--kv-allocator-opt", "host_capacity_tokens=lots"],
+         "host_capacity_tokens must be an integer >= 0 (got 'lots')"),
+        (["--kv-allocator", "paged", "--kv-allocator-opt", "block_size"],
+         "--kv-allocator-opt takes KEY=VALUE (got 'block_size')"),
     ],
 )  # fmt: skip
 def test_flag_errors_are_one_line(args, needle, capsys):
@@ -182,6 +192,27 @@ def test_flag_errors_are_one_line(args, needle, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert needle in err[-1], err
+
+
+def test_kv_allocator_opts_reach_every_worker() -> None:
+    from types import SimpleNamespace
+
+    from sgl_fair.launch.serve import sim_worker_configs
+
+    cfg = parse_config(["--dp", "2", "--sim-text", "off", "--kv-allocator", "bidirectional",
+                        "--kv-allocator-opt", "block_size=8",
+                        "--kv-allocator-opt", "host_capacity_tokens=64"])  # fmt: skip
+    assert cfg.kv_allocator_opts == {"block_size": 8, "host_capacity_tokens": 64}
+    tokenizer = SimpleNamespace(vocab_size=32000, output_token_range=(1, 100), eos_token_id=2)
+    state = SimpleNamespace(
+        service=SimpleNamespace(endpoints=SimpleNamespace(base="ipc:///tmp/x")),
+        tokenizer=tokenizer,
+        tenants=None,
+    )
+    workers = sim_worker_configs(cfg, state)
+    assert len(workers) == 2
+    for w in workers:
+        assert (w.kv_allocator, w.kv_allocator_opts) == ("bidirectional", cfg.kv_allocator_opts)
 
 
 # ---- the server processes ----------------------------------------------------------------------

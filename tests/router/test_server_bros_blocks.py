@@ -1,5 +1,6 @@
 """BROS over bidirectional KV blocks in the live server: RT and BE requests over HTTP on a
-pool small enough that RT growth checkpoints BE slots; every request completes."""
+pool small enough that RT growth checkpoints BE slots (and with ``--kv-allocator-opt``, on a
+host too small to hold them all); every request completes."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ from live_helpers import launched
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("policy", ["bros", "vtc"])
-def test_rt_and_be_over_http_on_bidirectional_blocks(tmp_path, policy):
+@pytest.mark.parametrize(
+    ("policy", "opts"),
+    [
+        ("bros", ()),
+        ("vtc", ()),
+        # A host too small for every overwritten BE slot: RT then waits for BE to finish.
+        ("bros", ("--kv-allocator-opt", "block_size=8",
+                  "--kv-allocator-opt", "host_capacity_tokens=64")),
+    ],
+)  # fmt: skip
+def test_rt_and_be_over_http_on_bidirectional_blocks(tmp_path, policy, opts):
     args = ("--dp", "1", "--time-scale", "inf", "--schedule-policy", policy,
-            "--kv-allocator", "bidirectional", "--kv-tokens", "3000")  # fmt: skip
+            "--kv-allocator", "bidirectional", "--kv-tokens", "3000", *opts)  # fmt: skip
     with launched(*args, tmp_path=tmp_path) as s:
 
         async def one(client: httpx.AsyncClient, i: int, cls: str) -> int:

@@ -59,8 +59,9 @@ class BidirectionalConfig(PagedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.host_capacity_tokens is not None and self.host_capacity_tokens < 0:
-            raise ValueError(f"host_capacity_tokens must be >= 0 (got {self.host_capacity_tokens})")
+        h = self.host_capacity_tokens
+        if h is not None and (isinstance(h, bool) or not isinstance(h, int) or h < 0):
+            raise ValueError(f"host_capacity_tokens must be an integer >= 0 (got {h!r})")
 
 
 class BlockEntry(NamedTuple):  # direction 0: read slots left→right (RT), 1: right→left (BE)

@@ -46,8 +46,9 @@ class PagedConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1 (got {self.block_size})")
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"block_size must be an integer >= 1 (got {b!r})")
 
 
 @register_allocator("paged")
