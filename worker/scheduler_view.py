@@ -72,15 +72,18 @@ class SchedulerViewMixin:
 
     def kv_freed_by(self, victim: Request, req: Request) -> float:
         """Room ``req``'s admission test (``kv_room``) would gain if running ``victim`` were
-        retracted: the KV only ``victim`` holds, plus its output reservation. 0 where
-        ``req``'s room counts ``victim``'s KV already (an allocator on which ``req`` may
-        overwrite ``victim``'s class: bidirectional blocks, RT over BE)."""
+        retracted: the KV only ``victim`` holds, plus its output reservation. Where ``req``
+        may overwrite ``victim``'s class (bidirectional blocks, RT over BE) its room counts
+        those slots already, and no reservation is held against it: only what host memory
+        running short kept out of that room (SPEC §5's last resort, dropping BE)."""
         handle = self._handles.get(victim)
-        if handle is None or victim.service_class.value in self.kv.overwrites(req):
+        if handle is None:
             return 0.0
+        freed = self.kv.freed_by_release(victim, handle, req)
+        if victim.service_class.value in self.kv.overwrites(req):
+            return float(freed)
         clip = self.config.clip_max_new_tokens
-        reserve = self.new_token_ratio * min(victim.remaining_new_tokens, clip)
-        return self.kv.freed_by_release(victim, handle) + reserve
+        return freed + self.new_token_ratio * min(victim.remaining_new_tokens, clip)
 
     def kv_slots(self, req: Request) -> list[int]:
         """Flat device KV slots of ``req``'s positions, in order (exact caches only)."""

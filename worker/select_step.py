@@ -227,19 +227,20 @@ def _make_room(
     request never loses its KV to another); a BE pick, the first only, any paused request.
     Stops at the first pick that cannot be made to fit.
 
-    Not on an allocator that overwrites by class (bidirectional): there an RT request's room
-    already counts the BE KV it may overwrite (retracting BE adds none) and a BE request
-    must not cost other requests their progress; the policy checked ``kv_room`` already."""
+    Only requests whose retraction adds room (``kv_freed_by``): on bidirectional blocks an RT
+    request's room already counts the BE slots it may overwrite, so a BE request is dropped
+    for it only where host memory ran short (SPEC §5's last resort); a BE pick there retracts
+    nothing (it must not cost other requests their progress)."""
     need = 0
     for i, req in enumerate(admit):
-        if budget <= 0 or sched.kv.overwrites(req) or sched.kv.keeps_private(req):
+        if budget <= 0 or sched.kv.keeps_private(req):
             return
         need += sched.kv_need(req)
         budget -= req.seq_len - min(sched.prefix_len(req), req.seq_len - 1)
         while need > sched.kv_room(req) - promised:
             paused = [r for r in sched.running if r not in decode]
             if i or req.service_class is ServiceClass.RT:
-                paused = [r for r in paused if _outranks(req, r)]
+                paused = [r for r in paused if _outranks(req, r) and sched.kv_freed_by(r, req)]
             if not paused:
                 return
             sched._retract(sched._victim(paused))

@@ -19,10 +19,12 @@ object the simulator charges, ``T_iter = cost(prefill_chunks=..., decode_context
 * **Memory** (l.5: RT is added "while blocks are available (free or preemptible BE-only
   blocks)"): every pick must fit the scheduler's room (``view.kv_room``). On bidirectional
   blocks an RT request's room already counts the BE slots it may overwrite (lazy
-  checkpointing). On allocators without them (token, paged) the running BE requests' KV is
-  preemptible by recompute: an RT pick may count it (``view.kv_freed_by``), the BE requests
-  it needs are left out of the BE phase, and the scheduler retracts them for the pick,
-  fewest generated tokens first (``victim``). ``preempt_be=False``: it waits for free KV.
+  checkpointing) while host memory lasts. Beyond that, and on allocators without such
+  blocks (token, paged), running BE requests' KV is preemptible by recompute: an RT pick may
+  count what retracting them adds (``view.kv_freed_by``; on bidirectional blocks only what
+  host memory running short kept out: SPEC §5's last resort), the BE requests it needs are
+  left out of the BE phase, and the scheduler retracts them for the pick, fewest generated
+  tokens first (``victim``). ``preempt_be=False``: it waits for free KV.
 * **BE phase** (l.17–33): BE requests sorted by checkpointed slots, fewest first (with an
   ``inner`` fairness policy, the least-served client first: VTC counter / DLPM deficit);
   each is added while the batch is not full, else it replaces the least-urgent scheduled RT

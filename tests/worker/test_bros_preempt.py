@@ -32,8 +32,8 @@ COST = CostModel.from_names("A10G", "Llama-2-7B")
 RT, BE = ServiceClass.RT, ServiceClass.BE
 
 
-def scheduler(allocator: str, capacity: int, **options) -> Scheduler:
-    opts = {} if allocator == "token" else {"block_size": 8}
+def scheduler(allocator: str, capacity: int, alloc_opts: dict | None = None, **options):
+    opts = {} if allocator == "token" else {"block_size": 8, **(alloc_opts or {})}
     kv = PrefixKVCache(make_allocator(allocator, capacity, **opts))
     return Scheduler(
         policy=make_policy("bros", **options), kv=kv, config=SchedulerConfig(), cost=COST.step_time
@@ -77,6 +77,38 @@ def test_an_rt_request_takes_running_be_kv_by_recompute(allocator: str) -> None:
     assert retracted and all(r.num_retractions == 1 for r in retracted)
     # Only as many as it needed: one fewer would not have made room.
     assert len(retracted) < len(bes)
+    sched.check_invariants()
+
+
+@pytest.mark.parametrize(("host", "drops"), [(None, False), (0, True)])
+def test_on_bidirectional_blocks_rt_overwrites_be_and_drops_it_only_without_host(
+    host: int | None, drops: bool
+) -> None:
+    """With host memory for checkpoints an RT request overwrites BE slots (no retraction);
+    with none, dropping whole BE requests is the last resort (SPEC §5), and it is taken."""
+    sched, engine = (
+        scheduler("bidirectional", 1200, {"host_capacity_tokens": host}),
+        SimEngine(COST),
+    )
+    bes, now = be_filling(sched, engine, 4, 200)
+    rt = Request("rt", "chat", unique_tokens(500), 20, now, service_class=RT)
+    sched.add_request(rt, now)
+    assert sched.kv_need(rt) > sched.kv.available_tokens()  # more than the free KV: with a
+    # host it is admitted over BE slots (checkpointed), without one BE requests are dropped
+    assert (sched.kv_need(rt) > sched.kv_room(rt)) is drops
+    assert any(sched.kv_freed_by(r, rt) > 0 for r in bes) is drops
+    for_room: list[Request] = []  # retracted to make room for the pick (not for a restore)
+    real = sched._retract
+
+    def spy(req: Request) -> None:
+        if sys._getframe(1).f_code.co_name == "_make_room":
+            for_room.append(req)
+        real(req)
+
+    sched._retract = spy
+    batch = sched.step(now)
+    assert rt in [c.req for c in batch.prefill]
+    assert bool(for_room) is drops and all(r.service_class is BE for r in for_room)
     sched.check_invariants()
 
 
@@ -156,18 +188,20 @@ def test_preempt_be_must_be_a_bool() -> None:
         make_policy("bros", preempt_be="no")
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 10_000),
-    allocator=st.sampled_from(["token", "paged"]),
+    allocator=st.sampled_from(["token", "paged", "bidirectional"]),
+    host=st.sampled_from([None, 0, 64]),
     capacity=st.integers(700, 2400),
     num_rt=st.integers(1, 30),
     num_be=st.integers(1, 10),
 )
 def test_rt_admissions_retract_only_be_and_everything_finishes(
-    seed: int, allocator: str, capacity: int, num_rt: int, num_be: int
+    seed: int, allocator: str, host: int | None, capacity: int, num_rt: int, num_be: int
 ) -> None:
-    """Random RT/BE mixes on a tight pool: every request finishes with exactly its tokens,
+    """Random RT/BE mixes on a tight pool (bidirectional blocks with a host of none, a few
+    blocks or the pool's size): every request finishes with exactly its tokens,
     the scheduler's invariants hold at every step (``drive``), and room made for a pick
     (``_make_room``) never costs an RT request its KV when the pick is RT."""
     rng = random.Random(seed)
@@ -180,7 +214,8 @@ def test_rt_admissions_retract_only_be_and_everything_finishes(
                 rng.randint(1, 40), rng.uniform(0, 0.2), service_class=BE)
         for i in range(num_be)
     ]  # fmt: skip
-    sched = scheduler(allocator, capacity)
+    hosted = {"host_capacity_tokens": host} if allocator == "bidirectional" else None
+    sched = scheduler(allocator, capacity, hosted)
     bad: list[Request] = []
     real = sched._retract
 

@@ -459,3 +459,40 @@ def test_random_rt_be_workloads_keep_every_token_where_the_tables_say(
                 positions = [toks.index(t) for t in resident]
                 assert positions == sorted(positions), "resident tokens out of order"
         assert engine.read(CACHE) == cache
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    num_blocks=st.integers(1, 8),
+    block_size=st.sampled_from([1, 4, 8]),
+    host_blocks=st.sampled_from([0, 1, 2, None]),
+    ops=workload_ops,
+)
+def test_room_freed_by_dropping_a_be_request_is_exact(
+    num_blocks: int, block_size: int, host_blocks: int | None, ops: list[tuple[str, str, int]]
+) -> None:
+    """``room_freed_by(owner, cls)`` is what ``num_free_tokens_for(cls)`` gains when ``owner``
+    is dropped (BROS's last resort on these blocks), at every state of random workloads."""
+    import copy
+
+    host = None if host_blocks is None else host_blocks * block_size
+    alloc = BidirectionalAllocator(
+        num_blocks * block_size, block_size=block_size, host_capacity_tokens=host
+    )
+    for op, owner, n in ops:
+        cls = CLASSES[owner]
+        if op in ("alloc", "make_room") and alloc.can_allocate(owner, n, request_class=cls):
+            alloc.allocate(owner, n, request_class=cls)
+        elif op == "restore" and alloc.restore_plan(owner) is not None:
+            alloc.restore(owner)
+        elif op == "free":
+            alloc.free(owner, min(n, alloc.logical_len(owner)))
+        elif op == "drop":
+            alloc.drop(owner)
+        for victim in [o for o, c in CLASSES.items() if c == BE and alloc.logical_len(o)]:
+            for room_cls in (RT, BE):
+                dropped = copy.deepcopy(alloc)
+                before = dropped.num_free_tokens_for(room_cls)
+                dropped.drop(victim)
+                gain = dropped.num_free_tokens_for(room_cls) - before
+                assert alloc.room_freed_by(victim, room_cls) == gain, (victim, room_cls)

@@ -57,7 +57,11 @@ def test_unknown_allocator_names_the_known_ones() -> None:
         ("paged", {"block_size": 0}, r"block_size must be an integer >= 1 \(got 0\)"),
         ("paged", {"block_size": "16k"}, r"block_size must be an integer >= 1 \(got '16k'\)"),
         ("bidirectional", {"host_capacity_tokens": -1}, r"host_capacity_tokens must be an integer"),
-        ("bidirectional", {"host_capacity_tokens": 1.5}, r"host_capacity_tokens must be an integer"),
+        (
+            "bidirectional",
+            {"host_capacity_tokens": 1.5},
+            r"host_capacity_tokens must be an integer",
+        ),
     ],
 )
 def test_bad_options_are_refused(name: str, options: dict, message: str) -> None:

@@ -157,6 +157,21 @@ class BidirectionalAllocator:
             return self.layout.num_empty
         return self._rt_room.value(self.num_free_host_blocks())
 
+    def room_freed_by(self, owner: Hashable, request_class: str) -> int:
+        """How much ``num_free_tokens_for(request_class)`` grows if ``owner`` is dropped
+        (device and host). BE: the slots it holds. RT, for a BE owner: what its blocks add
+        beyond the BE slots RT already counts, which is something only where host blocks
+        run short (its own come back, and its blocks may empty); an RT owner's blocks are
+        its own room, so 0."""
+        if self._checked_class(None, request_class) == BE:
+            return self.held(owner)
+        if self.class_of(owner) != BE:
+            return 0
+        host_left = self.num_free_host_blocks()
+        mine = sum(isinstance(s, _Host) for s in self.layout.segs.get(owner, ()))
+        rt_room = self._rt_room
+        return rt_room.value_without(owner, host_left + mine) - rt_room.value(host_left)
+
     def pin(self, owner: Hashable) -> None:
         """Keep RT from overwriting ``owner``'s slots until ``unpin_all`` (a scheduler pins
         the requests it prefills in a step: overwriting them would undo the step's work)."""

@@ -365,11 +365,19 @@ class PrefixKVCache:
             self._kv_events.append(("cleared", (), 0))
         return True
 
-    def freed_by_release(self, owner: Hashable, handle: PrefixHandle) -> int:
-        """About the tokens ``release(owner, handle)`` would make available: what ``owner``
-        holds privately, plus the prefix edges only it locks (they become evictable).
-        Blocks shared with cached tokens may keep a few of them in use."""
-        freed = self.allocator.held(owner)
+    def freed_by_release(
+        self, owner: Hashable, handle: PrefixHandle, for_owner: Hashable = None
+    ) -> int:
+        """About what ``release(owner, handle)`` adds to ``available_tokens(for_owner)``: what
+        ``owner`` holds privately (where the allocator places by class, the room it gives
+        ``for_owner``'s class: ``room_freed_by``), plus the prefix edges only it locks (they
+        become evictable). Blocks shared with cached tokens may keep a few of them in use."""
+        kw = self._class_of(for_owner) if for_owner is not None else {}
+        room_freed_by = getattr(self.allocator, "room_freed_by", None)
+        if kw and room_freed_by is not None:
+            freed = room_freed_by(owner, kw["request_class"])
+        else:
+            freed = self.allocator.held(owner)
         node, root = handle.node, self.tree.root
         while node is not root and node.lock_ref == 1:  # ancestors: lock_ref >= a child's
             freed += len(node.key)

@@ -25,6 +25,8 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from sgl_fair.worker.kv.layout import Piece
+
 
 class RTRoom:
     def __init__(self, layout: Any, pinned: Callable[[Hashable], bool]) -> None:
@@ -36,8 +38,10 @@ class RTRoom:
         self._gain = 0  # ... Σ (full - fallback) over them ...
         self._needy: list[int] = []  # ... and their ids, sorted
 
-    def _block(self, b: int) -> tuple[bool, int, int] | None:
+    def _block(self, b: int, skip: Hashable = None) -> tuple[bool, int, int] | None:
         left, right = self.layout.sides[b]
+        if skip is not None:
+            right = [p for p in right if p.owner != skip]
         if left or not right:
             return None
         size, pinned = self.layout.block_size, self.pinned
@@ -102,6 +106,38 @@ class RTRoom:
             return room + self._gain
         blocks = self._blocks
         return room + sum(blocks[b][1] - blocks[b][2] for b in self._needy[:host_left])
+
+    def value_without(self, owner: Hashable, host_left: int) -> int:
+        """The room if ``owner`` (a BE request) were dropped, its host blocks (counted in
+        ``host_left`` by the caller) freed: only the blocks it holds change."""
+        self._update()
+        layout, size = self.layout, self.layout.block_size
+        room = len(layout.free_blocks) * size + self._plain + self._fallback
+        changed: dict[int, tuple[bool, int, int] | None] = {}
+        for piece in layout.segs.get(owner, ()):
+            if not isinstance(piece, Piece) or piece.block in changed:
+                continue  # a host copy, or a block seen
+            b = piece.block
+            old = self._blocks.get(b)
+            if old is not None:
+                room -= old[2] if old[0] else old[1]
+            left, right = layout.sides[b]
+            if not left and all(p.owner == owner for p in right):
+                room += size  # the block empties
+                changed[b] = None
+                continue
+            new = changed[b] = self._block(b, skip=owner)
+            if new is not None:
+                room += new[2] if new[0] else new[1]
+        blocks = self._blocks
+        needy = [b for b in self._needy if b not in changed]
+        needy += [b for b, new in changed.items() if new is not None and new[0]]
+        needy.sort()
+        gain = 0
+        for b in needy[:host_left]:
+            needs, full, fallback = changed[b] if b in changed else blocks[b]
+            gain += full - fallback
+        return room + gain
 
     def scan(self, host_left: int) -> int:
         """The same room, from a scan of every block (the reference)."""
