@@ -67,6 +67,7 @@ def info_routes(state: ServerState) -> list[Route]:
                     "num_running": load.num_running if load else None,
                     "kv_used_tokens": load.kv_used_tokens if load else None,
                     "kv_cached_tokens": load.kv_cached_tokens if load else None,
+                    "num_retractions": load.num_retractions if load else None,
                     "kv_capacity_tokens": w.kv_capacity_tokens,
                     "kv_event_gaps": w.kv_gaps,
                     "kv_orphans": w.decoder.num_orphans,

@@ -107,6 +107,12 @@ class Telemetry:
         self.kv_usage = Gauge(
             p + "worker_kv_usage", "Used + cached KV tokens / capacity", ["worker"], registry=r
         )
+        self.retractions = Gauge(
+            p + "worker_retractions",
+            "Requests retracted (preempted, to recompute) since the worker started",
+            ["worker"],
+            registry=r,
+        )
         self.alive = Gauge(
             p + "worker_alive", "1 while the worker is alive", ["worker"], registry=r
         )
@@ -204,6 +210,7 @@ class Telemetry:
         self.kv_cached.labels(w).set(msg.kv_cached_tokens)
         cap = msg.kv_capacity_tokens
         self.kv_usage.labels(w).set((msg.kv_used_tokens + msg.kv_cached_tokens) / cap if cap else 0)
+        self.retractions.labels(w).set(msg.num_retractions)
 
     def worker_alive(self, worker: int, alive: bool) -> None:
         self.alive.labels(str(worker)).set(1 if alive else 0)

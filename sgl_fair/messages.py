@@ -106,6 +106,9 @@ class Load(msgspec.Struct, frozen=True, gc=False):
     kv_used_tokens: int  # held by running requests (locked + private)
     kv_cached_tokens: int  # evictable prefix cache
     kv_capacity_tokens: int
+    # Requests retracted (preempted, to recompute) since the worker started; 0 where the
+    # engine does not say (SGLang's bridge).
+    num_retractions: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True, gc=False):

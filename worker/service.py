@@ -172,6 +172,7 @@ class WorkerCore:
             usage.locked + usage.private,
             usage.cached,
             sched.kv.capacity_tokens,
+            sched.stats.num_retractions,
         )
 
     def _finished(self, req: Request, now: float) -> Finished:

@@ -39,8 +39,9 @@ RT_PROMPT, BE_PROMPT = 200, 768  # prompt tokens
 def prompt_ids(i: int, n: int) -> list[int]:
     """``n`` token ids unique to request ``i``: prompts sent as ``input_ids`` have exactly the
     lengths the demo states (text would be as long as the tokenizer makes it; the built-in
-    one spells a word it does not know in bytes) and share no prefix."""
-    rng = random.Random(i)
+    one spells a word it does not know in bytes) and share no prefix. Seeded by a string:
+    ``random.Random(-1)`` is ``random.Random(1)`` (an int seed loses its sign)."""
+    rng = random.Random(f"prompt/{i}")
     return [rng.randrange(1_000, 30_000) for _ in range(n)]
 
 

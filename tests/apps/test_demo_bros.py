@@ -14,6 +14,11 @@ def test_prompts_have_the_stated_lengths_and_share_no_prefix():
     a, b = bros.prompt_ids(1, bros.RT_PROMPT), bros.prompt_ids(2, bros.RT_PROMPT)
     assert len(a) == len(b) == bros.RT_PROMPT and a[0] != b[0]
     assert bros.prompt_ids(1, 5) == a[:5]  # a pure function of the request number
+    # RT request i and BE request j (numbered -1 - j, as the demo sends them) share nothing:
+    # before, an int seed lost its sign, and RT 1's prompt was BE 0's first 200 tokens.
+    rt = {tuple(bros.prompt_ids(i, 4)) for i in range(64)}
+    be = {tuple(bros.prompt_ids(-1 - j, 4)) for j in range(64)}
+    assert len(rt) == len(be) == 64 and not rt & be
 
 
 @pytest.mark.slow
