@@ -111,16 +111,20 @@ class RTRoom:
         """The room if ``owner`` (a BE request) were dropped, its host blocks (counted in
         ``host_left`` by the caller) freed: only the blocks it holds change."""
         self._update()
-        layout, size = self.layout, self.layout.block_size
+        layout, size, blocks = self.layout, self.layout.block_size, self._blocks
         room = len(layout.free_blocks) * size + self._plain + self._fallback
+        gain_all, num_needy = self._gain, len(self._needy)  # as if every needy block got one
         changed: dict[int, tuple[bool, int, int] | None] = {}
         for piece in layout.segs.get(owner, ()):
             if not isinstance(piece, Piece) or piece.block in changed:
                 continue  # a host copy, or a block seen
             b = piece.block
-            old = self._blocks.get(b)
+            old = blocks.get(b)
             if old is not None:
                 room -= old[2] if old[0] else old[1]
+                if old[0]:
+                    gain_all -= old[1] - old[2]
+                    num_needy -= 1
             left, right = layout.sides[b]
             if not left and all(p.owner == owner for p in right):
                 room += size  # the block empties
@@ -129,7 +133,11 @@ class RTRoom:
             new = changed[b] = self._block(b, skip=owner)
             if new is not None:
                 room += new[2] if new[0] else new[1]
-        blocks = self._blocks
+                if new[0]:
+                    gain_all += new[1] - new[2]
+                    num_needy += 1
+        if host_left >= num_needy:  # host blocks for every needy block: no order to walk
+            return room + gain_all
         needy = [b for b in self._needy if b not in changed]
         needy += [b for b, new in changed.items() if new is not None and new[0]]
         needy.sort()
