@@ -50,6 +50,7 @@ class _Memory:
         self._preemptible = preemptible if self._freed_by is not None else None
         self._pool: Sequence[Request] = ()
         self._pool_freed: list[float] | None = None
+        self._pool_total = 0.0
         self.bonus = 0.0  # room the claimed victims free, for every class
         self.claimed: set[int] = set()  # id()s of the BE requests to retract this step
 
@@ -92,8 +93,11 @@ class _Memory:
         if self._pool_freed is None:
             self._pool = self._preemptible()
             self._pool_freed = [self._freed_by(v, req) for v in self._pool]
+            self._pool_total = sum(self._pool_freed)
+        if not self._pool_total:  # nothing to gain (bidirectional blocks, host to spare)
+            return False
         need = self._need(req)
-        if self.taken + need > self._room[req.service_class] + sum(self._pool_freed):
+        if self.taken + need > self._room[req.service_class] + self._pool_total:
             return False
         self.taken += need
         return True
