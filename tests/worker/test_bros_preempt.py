@@ -67,7 +67,8 @@ def test_an_rt_request_takes_running_be_kv_by_recompute(allocator: str) -> None:
     sched, engine = scheduler(allocator, 1200), SimEngine(COST)
     bes, now = be_filling(sched, engine, 4, 200)
     rt = Request("rt", "chat", unique_tokens(300), 20, now, service_class=RT)
-    assert sched.kv_need(rt) > sched.kv_room(rt)  # it does not fit the free KV
+    need, room = sched.kv_need(rt), sched.kv_room(rt)
+    assert need > room  # it does not fit the free KV
     freed = {r.rid: sched.kv_freed_by(r, rt) for r in bes}
     assert all(f > 0 for f in freed.values())
     sched.add_request(rt, now)
@@ -75,8 +76,9 @@ def test_an_rt_request_takes_running_be_kv_by_recompute(allocator: str) -> None:
     assert rt in [c.req for c in batch.prefill]  # admitted this very step
     retracted = [r for r in bes if r.phase is Phase.WAITING]
     assert retracted and all(r.num_retractions == 1 for r in retracted)
-    # Only as many as it needed: one fewer would not have made room.
+    # Only as many as it needed (the BE requests are alike): one fewer would not have fit.
     assert len(retracted) < len(bes)
+    assert need > room + sum(freed[r.rid] for r in retracted[1:])
     sched.check_invariants()
 
 
