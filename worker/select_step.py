@@ -225,26 +225,25 @@ def _make_room(
     and as far as the step's prefill budget reaches (``Scheduler._victim`` chooses whom). An
     RT pick retracts only BE requests (BROS counts their KV as its room, SPEC §5 l.5; an RT
     request never loses its KV to another); a BE pick, the first only, any paused request.
-    Stops at the first pick that cannot be made to fit.
+    Stops at the first pick that cannot be made to fit, and at a BE pick after the first
+    (policies list their RT picks first; the rest are admitted as they fit).
 
     Only requests whose retraction adds room (``kv_freed_by``): on bidirectional blocks an RT
     request's room already counts the BE slots it may overwrite, so a BE request is dropped
     for it only where host memory ran short (SPEC §5's last resort); a BE pick there retracts
     nothing (it must not cost other requests their progress)."""
-    need = 0
+    need, chosen = 0, set(map(id, decode))
     for i, req in enumerate(admit):
-        if budget <= 0 or sched.kv.keeps_private(req):
+        rt = req.service_class is ServiceClass.RT
+        if budget <= 0 or sched.kv.keeps_private(req) or (i and not rt):
             return
         need += sched.kv_need(req)
         budget -= req.seq_len - min(sched.prefix_len(req), req.seq_len - 1)
         while need > sched.kv_room(req) - promised:
-            paused = [r for r in sched.running if r not in decode]
-            if i or req.service_class is ServiceClass.RT:
-                paused = [r for r in paused if _outranks(req, r) and sched.kv_freed_by(r, req)]
+            paused = [r for r in sched.running if id(r) not in chosen]
+            if rt:  # BE requests only, and only those whose retraction adds room
+                be = ServiceClass.BE
+                paused = [r for r in paused if r.service_class is be and sched.kv_freed_by(r, req)]
             if not paused:
                 return
             sched._retract(sched._victim(paused))
-
-
-def _outranks(req: Request, other: Request) -> bool:
-    return req.service_class is ServiceClass.RT and other.service_class is ServiceClass.BE
