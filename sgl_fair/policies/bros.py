@@ -64,6 +64,11 @@ INNER_POLICIES = ("none", "vtc", "dlpm")
 _BY_ARRIVAL = operator.attrgetter("arrival_s", "seq")  # Request.arrival_key, in C
 
 
+def _victim_key(r: Request) -> tuple[bool, int]:
+    """The larger, the sooner retracted: BE before RT, fewest generated tokens first."""
+    return r.service_class is ServiceClass.BE, -r.num_output
+
+
 def _unserved(client: str) -> float:
     """The BE phase's service key without an inner fairness policy: every client alike."""
     return 0.0
@@ -173,13 +178,14 @@ class BROS(BasePolicy):
 
     def victim(self, pool: Sequence[Request]) -> Request:
         """Retract BE first, then the RT with the most slack; fewest tokens lost within."""
-        return max(pool, key=lambda r: (r.service_class is ServiceClass.BE, -r.num_output))
+        return max(pool, key=_victim_key)
 
     @staticmethod
     def _preemptible(be: Sequence[Request]) -> list[Request]:
-        """Running BE requests in the order ``victim`` retracts them (fewest tokens first)."""
+        """Running BE requests in the order ``victim`` retracts them: a stable sort, most
+        retractable first, so ties keep the scheduler's order as ``max`` does."""
         running = [r for r in be if r.phase is Phase.RUNNING]
-        running.sort(key=lambda r: r.num_output)  # stable: ties keep the scheduler's order
+        running.sort(key=_victim_key, reverse=True)
         return running
 
     # ---------------------------------------------------------------- deadlines

@@ -64,15 +64,19 @@ class _Memory:
             self._needs[id(req)] = n
         return n
 
+    def _room_for(self, req: Request) -> float:
+        """The scheduler's room for ``req``'s class, asked once per selection."""
+        room = self._room.get(req.service_class)
+        if room is None:
+            room = self._room[req.service_class] = self._room_of(req)
+        return room
+
     def fits(self, req: Request, without: Request | None = None) -> bool:
         need = self._need(req)
         if not need or self._room_of is None:
             return True
-        cls = req.service_class
-        if cls not in self._room:
-            self._room[cls] = self._room_of(req)
         freed = 0 if without is None else self._need(without)
-        return self.taken - freed + need <= self._room[cls] + self.bonus
+        return self.taken - freed + need <= self._room_for(req) + self.bonus
 
     def take_if_fits(self, req: Request) -> bool:
         """``take`` if ``fits``, in one call (the RT loop's common case)."""
@@ -88,7 +92,11 @@ class _Memory:
         """``take`` an RT request that does not fit the room as it is but would once running
         BE requests are retracted (SPEC §5 l.5: BE blocks are preemptible; here by
         recompute). Which ones: ``settle`` decides, once the RT picks are final."""
-        if self._preemptible is None or req.service_class is not ServiceClass.RT:
+        if (
+            self._preemptible is None
+            or self._room_of is None
+            or req.service_class is not ServiceClass.RT
+        ):
             return False
         if self._pool_freed is None:
             self._pool = self._preemptible()
@@ -97,7 +105,7 @@ class _Memory:
         if not self._pool_total:  # nothing to gain (bidirectional blocks, host to spare)
             return False
         need = self._need(req)
-        if self.taken + need > self._room[req.service_class] + self._pool_total:
+        if self.taken + need > self._room_for(req) + self._pool_total:
             return False
         self.taken += need
         return True
