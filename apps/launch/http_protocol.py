@@ -23,6 +23,13 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
+def connection_options(*, header_timeout_s: float, max_connections: int) -> dict[str, Any]:
+    """``uvicorn.Config``'s connection options for sgl-fair's HTTP server."""
+    return {
+        "http": guarded_protocol(header_timeout_s=header_timeout_s, max_connections=max_connections)
+    }
+
+
 def guarded_protocol(*, header_timeout_s: float, max_connections: int) -> type:
     """A protocol class for ``uvicorn.Config(http=...)`` with these limits."""
     if header_timeout_s <= 0 or max_connections < 1:

@@ -15,7 +15,7 @@ from typing import Any
 
 from sgl_fair.config import load_tenants
 from sgl_fair.launch.config import LaunchConfig, local_policy_opts, parse_config, share_guard_on
-from sgl_fair.launch.http_protocol import guarded_protocol
+from sgl_fair.launch.http_protocol import connection_options
 from sgl_fair.launch.ports import connection_budget, port_free, raise_fd_limit
 from sgl_fair.launch.sglang import (
     bridge_configs,
@@ -288,7 +288,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
                 build_app(state, on_shutdown=on_shutdown),
                 host=cfg.host,
                 port=cfg.port,
-                http=guarded_protocol(
+                **connection_options(
                     header_timeout_s=cfg.http_header_timeout_s,
                     max_connections=cfg.max_connections or connection_budget(),
                 ),
