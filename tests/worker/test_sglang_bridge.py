@@ -323,22 +323,28 @@ def _until(pred, timeout_s: float = 10.0):
 @pytest.mark.slow
 def test_plain_and_streaming_generate_return_the_servers_tokens(rig):
     body = {"input_ids": [11, 12, 13, 14], "sampling_params": {"max_new_tokens": 8}}
+    before = len(rig.proxy.bodies("/generate"))
     r = httpx.post(rig.outer.url + "/generate", json={**body, "rid": "same-1"}, timeout=30)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
-    # The stand-in makes a request's tokens from its rid: asked directly, it says the same.
-    direct = httpx.post(rig.standin.url + "/generate", json={**body, "rid": "same-1"}, timeout=30)
-    assert out["output_ids"] == direct.json()["output_ids"] and len(out["output_ids"]) == 8
-    [sent] = [b for b in rig.proxy.bodies("/generate") if b["rid"] == "same-1"]
+    [sent] = rig.proxy.bodies("/generate")[before:]
     assert sent["stream"] is True and sent["input_ids"] == body["input_ids"]
+    assert sent["rid"] != "same-1"  # the bridge's own rid per call (SGLang aborts by prefix)
+    # The stand-in makes a request's tokens from its rid: asked directly, it says the same.
+    direct = httpx.post(rig.standin.url + "/generate", json={**body, "rid": sent["rid"]},
+                        timeout=30)  # fmt: skip
+    assert out["output_ids"] == direct.json()["output_ids"] and len(out["output_ids"]) == 8
 
+    before = len(rig.proxy.bodies("/generate"))
     with httpx.stream(
         "POST", rig.outer.url + "/generate", json={**body, "rid": "same-2", "stream": True},
         timeout=30,
     ) as resp:  # fmt: skip
         chunks = _sse(list(resp.iter_lines()))
-    direct = httpx.post(rig.standin.url + "/generate", json={**body, "rid": "same-2"}, timeout=30)
+    [sent] = rig.proxy.bodies("/generate")[before:]
+    direct = httpx.post(rig.standin.url + "/generate", json={**body, "rid": sent["rid"]},
+                        timeout=30)  # fmt: skip
     assert chunks[-1]["output_ids"] == direct.json()["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
@@ -361,7 +367,9 @@ def test_client_id_travels_as_routing_key_with_the_sampling_params(rig):
         timeout=30,
     )
     assert r.status_code == 200, r.text
-    [sent] = [b for b in rig.proxy.bodies("/generate") if b["rid"] == "who-1"]
+    [sent] = [
+        b for b in rig.proxy.bodies("/generate") if b["sampling_params"].get("sampling_seed") == 7
+    ]
     assert sent["routing_key"] == "alice" and "extra_key" not in sent
     want = {k: v for k, v in sampling.items() if k != "stop"}  # stop strings: the router's job
     assert sent["sampling_params"] == want
@@ -375,9 +383,13 @@ def test_logprobs_come_back_as_the_server_computed_them(rig):
         "input_ids": [21, 22, 23, 24, 25], "rid": "lp-1", "return_logprob": True,
         "logprob_start_len": 1, "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 5},
     }  # fmt: skip
+    before = len(rig.proxy.bodies("/generate"))
     r = httpx.post(rig.outer.url + "/generate", json=body, timeout=30)
     assert r.status_code == 200, r.text
-    direct = httpx.post(rig.standin.url + "/generate", json=body, timeout=30).json()
+    [sent] = rig.proxy.bodies("/generate")[before:]  # the stand-in's logprobs follow the rid
+    direct = httpx.post(
+        rig.standin.url + "/generate", json={**body, "rid": sent["rid"]}, timeout=30
+    ).json()
     got, want = r.json()["meta_info"], direct["meta_info"]
     assert len(got["output_token_logprobs"]) == 5
     for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):
@@ -403,7 +415,8 @@ def test_abort_request_and_a_client_disconnect_abort_on_the_server(rig):
     t.join(30)
     finish = result["chunks"][-1]["meta_info"]["finish_reason"]
     assert finish["type"] == "abort" and 0 < len(result["chunks"][-1]["output_ids"]) < 4000
-    assert {"rid": "long-1"} in rig.proxy.bodies("/abort_request")
+    long_rids = [b["rid"] for b in rig.proxy.bodies("/generate") if b["input_ids"] == [31, 32]]
+    assert {"rid": long_rids[0]} in rig.proxy.bodies("/abort_request")
     assert _until(lambda: rig.standin.info()["in_flight"] == 0)
 
     async def hang_up() -> None:
@@ -417,7 +430,8 @@ def test_abort_request_and_a_client_disconnect_abort_on_the_server(rig):
                 break  # hang up after the first chunk
 
     asyncio.run(hang_up())
-    assert _until(lambda: {"rid": "long-2"} in rig.proxy.bodies("/abort_request"))
+    long_rids = [b["rid"] for b in rig.proxy.bodies("/generate") if b["input_ids"] == [31, 32]]
+    assert _until(lambda: {"rid": long_rids[1]} in rig.proxy.bodies("/abort_request"))
     assert _until(lambda: rig.standin.info()["in_flight"] == 0)
     assert _until(lambda: rig.outer.info()["in_flight"] == 0)
     w = _until(lambda: (x := rig.standin.info()["workers"][0])["kv_used_tokens"] == 0 and x)
@@ -538,12 +552,10 @@ def test_bros_sends_the_class_as_sglang_priority_end_to_end(tmp_path):
         for rid, extra in (("rt-1", rt), ("be-1", {"priority": 500})):
             r = httpx.post(outer.url + "/generate", json={**body, "rid": rid, **extra}, timeout=30)
             assert r.status_code == 200, r.text
-        sent = {b["rid"]: b.get("priority") for b in proxy.bodies("/generate")}
-        assert sent == {"rt-1": 100, "be-1": 0}  # the class, not the client's 500
-        slos = {
-            b["rid"]: b["sampling_params"].get("custom_params") for b in proxy.bodies("/generate")
-        }
-        assert slos == {"rt-1": {"sgl_fair_slo_s": [0.3, 0.2]}, "be-1": None}
+        rt_body, be_body = proxy.bodies("/generate")  # in order: rt-1, be-1
+        assert (rt_body.get("priority"), be_body.get("priority")) == (100, 0)  # not the 500
+        slos = [b["sampling_params"].get("custom_params") for b in (rt_body, be_body)]
+        assert slos == [{"sgl_fair_slo_s": [0.3, 0.2]}, None]
         text = httpx.get(sin.url + "/metrics", timeout=10).text
         name = "sgl_fair_requests_by_class_total"
         assert metric(text, name, priority_class="rt") == 1

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,10 +94,19 @@ class BridgeConfig:
 # ---- the process -----------------------------------------------------------------------------
 
 
+def sglang_rid() -> str:
+    """A fresh rid for one call to SGLang: 32 hex digits. SGLang aborts every request whose
+    rid *starts with* the rid it is given (``Scheduler.abort_request``), so the client's rids
+    (``job1`` is a prefix of ``job10`` and of its sample ``job1-1``) never reach it; rids of
+    one fixed length are never a prefix of one another."""
+    return uuid.uuid4().hex
+
+
 @dataclass(eq=False)
 class Job:
     req: Request
     stream: StreamState
+    rid: str = field(default_factory=sglang_rid)  # the rid SGLang knows the request by
     task: asyncio.Task | None = None
     abort_reason: str | None = None
     hang_up: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -310,7 +320,7 @@ class Bridge:
 
     async def _stream(self, job: Job) -> Outcome:
         req = job.req
-        body = generate_body(req, class_priority=self.cfg.class_priority)
+        body = generate_body(req, rid=job.rid, class_priority=self.cfg.class_priority)
         async with self.http.post(self.url + "/generate", json=body) as resp:
             if resp.status != 200:
                 body = await resp.text(errors="replace")
@@ -354,7 +364,7 @@ class Bridge:
         try:
             async with self.http.post(
                 self.url + "/abort_request",
-                json={"rid": job.req.rid},
+                json={"rid": job.rid},  # ours alone: SGLang aborts by prefix
                 timeout=aiohttp.ClientTimeout(total=10),
             ) as resp:
                 if resp.status != 200:

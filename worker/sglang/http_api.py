@@ -99,8 +99,11 @@ async def probe_server(
 # ---- one request -----------------------------------------------------------------------------
 
 
-def generate_body(req: Request, *, class_priority: bool = False) -> dict[str, Any]:
-    """The streaming ``/generate`` body for ``req`` (SGLang's native API). The client's
+def generate_body(
+    req: Request, *, rid: str | None = None, class_priority: bool = False
+) -> dict[str, Any]:
+    """The streaming ``/generate`` body for ``req`` (SGLang's native API), sent as ``rid``
+    (the bridge's own unique rid per call; default the request's). The client's
     pass-through fields (``req.extra``: LoRA, custom logit processors, images, ...) and
     sampling keys (``req.sampling``: constrained decoding, ...) go in untouched; the keys
     the bridge itself sets (prompt, streaming, rid, logprobs; ``class_priority``: the
@@ -112,7 +115,7 @@ def generate_body(req: Request, *, class_priority: bool = False) -> dict[str, An
         "input_ids": list(req.input_ids),
         "sampling_params": sampling,
         "stream": True,
-        "rid": req.rid,
+        "rid": req.rid if rid is None else rid,
         "routing_key": req.client,
     }
     if class_priority:

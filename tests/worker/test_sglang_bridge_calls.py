@@ -1,0 +1,62 @@
+"""What the bridge says to an SGLang server, against a real HTTP stand-in with SGLang's own
+semantics (``sglang_standin.py``): exact aborts, incremental streaming, API keys, the plugin's
+state at start. A real ``Bridge`` runs in a thread; the test plays the router over zmq."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_standin import BridgeRig, StandInSGLang  # noqa: E402
+
+from sgl_fair.messages import FinishReason  # noqa: E402
+
+
+def test_an_abort_ends_that_request_only_not_those_whose_rid_it_prefixes(tmp_path):
+    """SGLang aborts every rid that starts with the given one: the bridge must send each call
+    its own rid, of one fixed length, and abort by that."""
+    rids = {"job1", "job1-1", "job10"}  # a request, its second sample, another tenant's
+    with (
+        StandInSGLang(token_interval_s=0.02) as server,
+        BridgeRig(str(tmp_path), server.url, abort_grace_s=5.0) as rig,
+    ):
+        assert rig.hello() is not None
+        for rid in sorted(rids):
+            rig.dispatch(rid, 200, client="bob" if rid == "job10" else "alice")
+        assert rig.recv_until(lambda m: False, timeout_s=0.5) is None  # all three run
+        assert len(server.running) == 3
+        rig.abort("job1")
+        done = rig.finished({"job1"})
+        assert done["job1"].reason is FinishReason.ABORTED
+        rig.recv_until(lambda m: False, timeout_s=0.3)
+        assert len(server.aborted) == 1, "an abort reached other requests"
+        assert len(server.running) == 2
+        sent = [body["rid"] for _a, body in server.calls("/generate")]
+        assert len(set(sent)) == 3 and not set(sent) & rids  # SGLang never sees client rids
+        assert len({len(r) for r in sent}) == 1  # one length: none is a prefix of another
+        [(_a, abort)] = server.calls("/abort_request")
+        assert abort["rid"] in sent and server.aborted == [abort["rid"]]
+        for rid in ("job1-1", "job10"):
+            rig.abort(rid)
+        rest = rig.finished({"job1-1", "job10"})
+        assert {r: f.reason for r, f in rest.items()} == dict.fromkeys(
+            ("job1-1", "job10"), FinishReason.ABORTED
+        )
+        assert len(server.aborted) == 3
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_tokens_and_finished_carry_the_routers_rid(tmp_path, incremental):
+    with (
+        StandInSGLang(incremental=incremental) as server,
+        BridgeRig(str(tmp_path), server.url) as rig,
+    ):
+        assert rig.hello() is not None
+        rig.dispatch("r-7", 5)
+        done = rig.finished({"r-7"})
+        assert done["r-7"].reason is FinishReason.LENGTH
+        assert done["r-7"].output_ids == (100, 101, 102, 103, 104)
+        assert rig.tokens_of("r-7") == [100, 101, 102, 103, 104]
