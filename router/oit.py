@@ -11,8 +11,8 @@ undercount the user's rate by up to N×, and it judges "overloaded" from its own
 The rules are the worker's (``FairServe.on_arrival``), with the same bookkeeping
 (``fairserve_oit.Limits`` / ``Windows``):
 
-* every arrival is counted in its user's (per app) and its app's sliding window, throttled
-  ones too (retrying while over a limit keeps you over it);
+* every arrival is counted in its user's (over all apps, and per app) and its app's sliding
+  windows, throttled ones too (retrying while over a limit keeps you over it);
 * only a request that **starts** an interaction may be refused — no ``interaction_id``, an id
   never seen, or one idle (no arrival, no finish) for more than ``interaction_timeout_s``;
   a call of an interaction in flight is never refused;

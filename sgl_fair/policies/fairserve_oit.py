@@ -1,19 +1,25 @@
 """FairServe's OIT — overload- and interaction-driven throttling (FairServe Alg. 1 l.19-24).
 
 Pure bookkeeping for the ``fairserve`` policy's ``on_arrival``: sliding windows of request
-arrivals per (user, app) and per app, the limits they are checked against, and the overload
-test. The policy decides *whether* a request may be throttled (it must start a new interaction
-and the worker must be overloaded); this module answers *which limit*, if any, it is over.
+arrivals per user (over all its apps), per (user, app) and per app, and the limits they are
+checked against. The policy decides *whether* a request may be throttled (it must start a new
+interaction and the worker must be overloaded); this module answers *which limit*, if any, it
+is over.
 
 Every arrival is counted before the check, so throttled arrivals count too (Alg. 1 l.19): a
 user who keeps retrying while over the limit stays over it.
 
 Limits (requests per ``window_s``):
 
-* per user: ``user_limits[app]`` or ``user_limit`` when given; otherwise derived from history
-  as the paper does from its trace analysis — ``limit_factor`` × the median per-user count of
-  that app's users in the window (at least ``min_limit``), refreshed every ``refresh_s``. Per
-  app, because an agent user's normal rate (several calls per interaction) is many chat users'.
+* per user, one of (first given):
+  - ``user_limits[app]`` *(beyond the paper)*: the user's calls **of that app**;
+  - ``user_limit``: the paper's global per-user limit ``T_g`` — the user's calls **over all
+    its apps** (one user spreading calls over 4 apps gets ``T_g``, not 4 × ``T_g``);
+  - otherwise derived from history *(beyond the paper, as the paper derives ``T_g`` from its
+    trace analysis)* per app: ``limit_factor`` × the median per-user count of that app's
+    users in the window (at least ``min_limit``), refreshed every ``refresh_s``, against the
+    user's calls of that app. Per app, because an agent user's normal rate (several calls per
+    interaction) is many chat users'.
 * per app: ``app_limits[app]`` when given; otherwise ``app_limit_factor`` × the app's
   long-run mean count per window (an EWMA over past windows; none until one window has passed).
 """
@@ -55,11 +61,14 @@ class Limits:
 
 
 class Windows:
-    """Sliding-window arrival counts per (user, app) and per app, and the limits over them."""
+    """Sliding-window arrival counts per user, per (user, app) and per app, and the limits
+    over them. A user's or (user, app)'s empty window is dropped at the next refresh (every
+    ``refresh_s``), so the state held is bounded by the users seen in the last window."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._user: dict[tuple[ClientId, str], deque[float]] = {}
+        self._user_all: dict[ClientId, deque[float]] = {}  # T_g's count: over all apps
         self._app: dict[str, deque[float]] = {}
         self._derived_user: dict[str, int] = {}
         self._app_mean: dict[str, float] = {}  # EWMA of per-window counts
@@ -69,13 +78,27 @@ class Windows:
     def count(self, user: ClientId, app: str | None, now: float) -> None:
         a = app or _NO_APP
         self._user.setdefault((user, a), deque()).append(now)
+        self._user_all.setdefault(user, deque()).append(now)
         self._app.setdefault(a, deque()).append(now)
         self._roll_app_window(a, now)
         if now >= self._next_refresh_s:
             self._refresh(now)
 
     def user_count(self, user: ClientId, app: str | None, now: float) -> int:
-        return len(self._prune(self._user.get((user, app or _NO_APP)), now))
+        """The user's calls in the window that its limit for ``app`` counts."""
+        return len(self._user_times(user, app, now))
+
+    def global_limit(self, app: str | None) -> bool:
+        """Whether the user limit for ``app`` is ``T_g`` (counted over all the user's apps)."""
+        lim = self.limits
+        return lim.user_limit is not None and not (
+            lim.user_limits and (app or _NO_APP) in lim.user_limits
+        )
+
+    def _user_times(self, user: ClientId, app: str | None, now: float) -> deque[float]:
+        if self.global_limit(app):
+            return self._prune(self._user_all.get(user), now)
+        return self._prune(self._user.get((user, app or _NO_APP)), now)
 
     def app_count(self, app: str | None, now: float) -> int:
         return len(self._prune(self._app.get(app or _NO_APP), now))
@@ -104,12 +127,13 @@ class Windows:
     ) -> tuple[str, float, str, int] | None:
         """(reason, retry_after_s, limit, limit_max) for the first limit exceeded — the user's
         (``limit == "user"``), then the app's (``"app"``)."""
-        times = self._prune(self._user.get((user, app or _NO_APP)), now)
+        times = self._user_times(user, app, now)
         limit = self.user_limit(app)
         if len(times) > limit:
+            scope = "over all its apps" if self.global_limit(app) else f"for app {app!r}"
             return (
                 f"user {user!r} over its limit of {limit} requests per "
-                f"{self.limits.window_s:g} s for app {app!r} while the server is overloaded",
+                f"{self.limits.window_s:g} s {scope} while the server is overloaded",
                 self._retry_after(times, limit, now),
                 "user",
                 limit,
@@ -161,6 +185,9 @@ class Windows:
                 del self._user[key]
                 continue
             per_app.setdefault(key[1], []).append(len(times))
+        for user in list(self._user_all):
+            if not self._prune(self._user_all[user], now):
+                del self._user_all[user]
         factor = self.limits.limit_factor
         self._derived_user = {a: round(factor * statistics.median(c)) for a, c in per_app.items()}
         self._next_refresh_s = now + self.limits.refresh_s
