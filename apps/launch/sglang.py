@@ -50,6 +50,8 @@ def sglang_server_command(
         "--tp-size", str(tp),
         "--dp-size", "1",
         "--kv-events-config", json.dumps(kv_events),
+        # chunks carry only the new tokens (cumulative ones cost the square of the output)
+        "--incremental-streaming-output",
         "--chunked-prefill-size", str(cfg.chunked_prefill_size),
         "--max-running-requests", str(cfg.max_running_requests),
     ]  # fmt: skip

@@ -1,0 +1,25 @@
+"""The SGLang command line the launcher builds, read by SGLang 0.5.23's own ``ServerArgs``
+parser: which of SGLang's behaviours it switches on, and which defaults it leaves to SGLang."""
+
+from __future__ import annotations
+
+import argparse
+
+from sgl_fair.launch import parse_config, sglang_server_command
+
+BASE = ["--backend", "sglang", "--model-path", "/models/tiny"]
+
+
+def _parsed(args: list[str]) -> argparse.Namespace:
+    from sglang.srt.server_args import ServerArgs
+
+    argv, _env = sglang_server_command(parse_config([*BASE, *args]), 0, 31000, 32000)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(argv[3:])
+
+
+def test_servers_stream_incrementally():
+    """Cumulative chunks repeat every token so far: a 4,096-token stream is ~90 MB of JSON in
+    the bridge. The bridge reads the server's mode from /server_info."""
+    assert _parsed([]).incremental_streaming_output is True
