@@ -23,8 +23,10 @@ into a failed call.
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -43,14 +45,80 @@ _encode = msgspec.json.Encoder().encode
 READ_BUFSIZE = 1 << 22
 
 
+# An idle pooled connection is dropped after this long, before any server closes it: sgl-fair
+# closes one ``--http-header-timeout`` (10 s) after its last response, SGLang (uvicorn) after
+# 5 s. aiohttp's default, 15 s, outlived both: a call then went out on a connection the server
+# was closing, and was reset (issue 31: 83-99 calls per ``make demo`` on a loaded CPU).
+KEEPALIVE_S = 3.0
+# A call reset on a reused connection before any response byte is sent again, this many times
+# at most (``send_call``).
+STALE_RETRIES = 2
+_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+_CLOSED = tuple(  # ClientConnectionResetError: aiohttp >= 3.10
+    getattr(aiohttp, n)
+    for n in ("ServerDisconnectedError", "ClientConnectionResetError")
+    if hasattr(aiohttp, n)
+)
+
+
+async def _on_reuse(session: Any, ctx: SimpleNamespace, params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
+
+
 def open_session(
-    *, max_connections: int, call_timeout_s: float, connect_timeout_s: float
+    *,
+    max_connections: int,
+    call_timeout_s: float,
+    connect_timeout_s: float,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> aiohttp.ClientSession:
     """The run's HTTP session: ``max_connections`` 0 is no pool limit, ``call_timeout_s``
-    bounds a whole call (its stream included)."""
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0)
+    bounds a whole call (its stream included), an idle connection is kept ``keepalive_s``.
+    It tells ``send_call`` which calls went out on a reused connection."""
+    connector = aiohttp.TCPConnector(
+        limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s
+    )
     timeout = aiohttp.ClientTimeout(total=call_timeout_s, sock_connect=connect_timeout_s)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=READ_BUFSIZE)
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_on_reuse)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, read_bufsize=READ_BUFSIZE, trace_configs=[trace]
+    )
+
+
+def _stale_connection(e: BaseException) -> bool:
+    """The error a call meets on a connection the server had closed: closed or reset before
+    the response head (a refused or timed-out connect is not one)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(e, _CLOSED):
+        return True
+    return isinstance(e, aiohttp.ClientOSError) and e.errno in _STALE_ERRNOS
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict, rec: CallRecord
+) -> aiohttp.ClientResponse:
+    """POST, sent again (same body, same rid) when it met a stale pooled connection.
+
+    A retry needs all of: the connection was reused from the pool (``open_session``'s trace
+    says so), the server closed or reset it before any byte of the response head, and the
+    error is a closed connection (``_stale_connection``). That is the keep-alive race: a server
+    closes an idle connection only while no request is in flight on it (uvicorn's keep-alive
+    timer, sgl-fair's header timer and its connection cap alike), so the call never reached
+    the application. Anything else fails the call: a fresh connection that closes, a response
+    that breaks off, a timeout. And were the call already in flight there after all, the retry
+    carries the same rid, which sgl-fair refuses while that rid is in flight (HTTP 400)."""
+    for attempt in range(STALE_RETRIES + 1):
+        trace: dict[str, bool] = {"reused": False}
+        try:
+            return await session.post(url, data=body, headers=headers, trace_request_ctx=trace)
+        except aiohttp.ClientError as e:
+            if attempt == STALE_RETRIES or not (trace["reused"] and _stale_connection(e)):
+                raise
+            rec.retries += 1
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +133,8 @@ class CallRecord:
     (transient), ``ok``, ``failed`` or ``unfinished`` (cut off mid-call at the drain end).
     ``chunk_s[i]`` is when the i-th chunk that added tokens arrived and ``chunk_tokens[i]``
     the output tokens received by then (cumulative). ``finish_s``: the final chunk of an
-    ``ok`` call; ``failed_s``: when a failed call was given up.
+    ``ok`` call; ``failed_s``: when a failed call was given up. ``retries``: times it was sent
+    again after meeting a pooled connection the server had closed (``send_call``).
     """
 
     rid: str
@@ -93,6 +162,7 @@ class CallRecord:
     finish_reason: str | None = None
     status: int | None = None
     error: str | None = None
+    retries: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -295,7 +365,8 @@ async def send_call(
     stream_interval: int | None = None,
 ) -> None:
     """``POST {url}/generate`` for ``req``, folding every chunk into ``rec`` as it arrives
-    (at ``now()``, the run's clock). Raises ``CallFailed`` when the server answers with
+    (at ``now()``, the run's clock). A call that met a pooled connection the server had
+    closed is sent again (``_post``). Raises ``CallFailed`` when the server answers with
     anything but a finished generation; transport errors and timeouts propagate."""
     headers = {"X-Client-Id": req.client, "Content-Type": "application/json"}
     if api_key:
@@ -310,7 +381,7 @@ async def send_call(
         interaction_prefix=tag,
     )
     body = _encode(payload)
-    async with session.post(f"{url}/generate", data=body, headers=headers) as resp:
+    async with await _post(session, f"{url}/generate", body, headers, rec) as resp:
         rec.status = resp.status
         if not 200 <= resp.status < 300:
             text = (await resp.text(errors="replace")).strip().replace("\n", " ")

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--http-header-timeout", type=float, default=10.0, metavar="S",
         help="close a connection that has not sent a request's headers S seconds after it "
-        "opened or after its last response (idle and slow-header clients)",
+        "opened or after its last response (idle keep-alive and slow-header clients)",
     )  # fmt: skip
     p.add_argument(
         "--max-connections", type=int, default=None, metavar="N",

@@ -24,9 +24,18 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
 def connection_options(*, header_timeout_s: float, max_connections: int) -> dict[str, Any]:
-    """``uvicorn.Config``'s connection options for sgl-fair's HTTP server."""
+    """``uvicorn.Config``'s connection options for sgl-fair's HTTP server.
+
+    An idle keep-alive connection is closed ``header_timeout_s`` after its last response, by
+    uvicorn's keep-alive timer and the header timer alike (uvicorn's own default, 5 s, would
+    close it first). A client must drop an idle connection before that: a call sent on a
+    connection the server is closing is reset. The load client's pool keeps one
+    ``workloads.loadclient.KEEPALIVE_S`` (3 s), under SGLang's 5 s too."""
     return {
-        "http": guarded_protocol(header_timeout_s=header_timeout_s, max_connections=max_connections)
+        "http": guarded_protocol(
+            header_timeout_s=header_timeout_s, max_connections=max_connections
+        ),
+        "timeout_keep_alive": header_timeout_s,
     }
 
 

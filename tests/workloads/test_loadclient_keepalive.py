@@ -1,0 +1,195 @@
+"""The load client and the server agree on idle keep-alive connections (issue 31, item 8).
+
+On a busy machine ``make demo`` failed 83–99 calls with ``Connection reset by peer``: the
+server closed an idle keep-alive connection, the client's pool still held it (aiohttp keeps
+one 15 s; uvicorn closes after 5 s), and a call sent on it was reset. A loaded CPU makes the
+window wide: the client's event loop, busy elsewhere, does not see the server's FIN before
+it takes the connection from its pool. Here the client's loop is blocked with ``time.sleep``
+(what a loaded CPU does to it) while a real uvicorn server, in its own thread, keeps time:
+
+* with the server's default settings, a connection left idle just under the client's pool
+  keep-alive is still open on the server (the client always drops it first);
+* against a server that closes sooner, a call that meets the closed pooled connection before
+  any response byte is sent again on a fresh connection (the server saw it once);
+* a call is never sent twice when it may have reached the server: a fresh connection that
+  closes, or a response that breaks off, fails the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+uvicorn = pytest.importorskip("uvicorn")
+from starlette.applications import Starlette  # noqa: E402
+from starlette.requests import Request as HTTPRequest  # noqa: E402
+from starlette.responses import StreamingResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+
+from sgl_fair.launch.config import parse_config  # noqa: E402
+from sgl_fair.launch.http_protocol import connection_options  # noqa: E402
+from sgl_fair.request import Request  # noqa: E402
+from sgl_fair.workloads.loadclient import CallRecord, open_session, send_call  # noqa: E402
+
+
+def _listen() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+class Server:
+    """A real uvicorn + Starlette ``/generate`` in its own thread (its own event loop), with
+    ``options`` for ``uvicorn.Config``; ``seen`` is every (rid, client port) it served."""
+
+    def __init__(self, *, broken_stream: bool = False, **options) -> None:
+        self.seen: list[tuple[str, int]] = []
+        self.sock = _listen()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        app = Starlette(routes=[Route("/generate", self._generate, methods=["POST"])])
+        self.broken_stream = broken_stream
+        config = uvicorn.Config(app, log_level="critical", lifespan="off", **options)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    async def _generate(self, request: HTTPRequest) -> StreamingResponse:
+        body = await request.json()
+        self.seen.append((body["rid"], request.client.port))
+        n = body["sampling_params"]["max_new_tokens"]
+        chunk = {
+            "output_ids": list(range(n)),
+            "meta_info": {"completion_tokens": n, "finish_reason": {"type": "length"}},
+        }
+
+        async def stream():
+            if self.broken_stream:
+                yield 'data: {"output_ids": [0]}\n\n'
+                raise RuntimeError("the response breaks off")
+            yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def _call(rid: str) -> tuple[Request, CallRecord]:
+    req = Request(
+        rid=rid, client="c0", input_ids=(1, 2, 3), output_len=4, arrival_s=0.0, max_new_tokens=4
+    )
+    rec = CallRecord(rid, rid, "c0", "p", "n", "app", 0, 3, 4, 0.0)
+    return req, rec
+
+
+async def _two_calls(url: str, gap_s) -> tuple[CallRecord, CallRecord]:
+    """A call, then ``gap_s(session)`` seconds with the client's loop blocked, then a call."""
+    async with open_session(max_connections=0, call_timeout_s=10, connect_timeout_s=5) as s:
+        req, first = _call("a")
+        await send_call(s, url, req, first, time.monotonic)
+        time.sleep(gap_s(s))  # a loaded CPU: the loop sees nothing (no FIN) meanwhile
+        req, second = _call("b")
+        await send_call(s, url, req, second, time.monotonic)
+        return first, second
+
+
+def _keepalive_s(session: aiohttp.ClientSession) -> float:
+    return session.connector._keepalive_timeout  # the pool's idle limit
+
+
+def test_an_idle_connection_outlives_the_clients_pool_on_the_default_server():
+    """At the server's defaults a connection the client reuses at the very end of its pool
+    keep-alive is still open: the second call goes over the same connection and succeeds."""
+    cfg = parse_config([])
+    options = connection_options(header_timeout_s=cfg.http_header_timeout_s, max_connections=64)
+    with Server(**options) as server:
+        first, second = asyncio.run(_two_calls(server.url, lambda s: _keepalive_s(s) - 0.3))
+    assert [rid for rid, _ in server.seen] == ["a", "b"]
+    assert server.seen[0][1] == server.seen[1][1]  # the pooled connection was reused
+    assert first.finish_reason == second.finish_reason == "length"
+    assert getattr(second, "retries", 0) == 0
+
+
+def test_a_call_that_meets_a_just_closed_pooled_connection_is_sent_again():
+    """The server closes idle connections after 0.5 s; the client's loop is blocked 1 s, so
+    it takes the closed connection from its pool: the call is reset before any response
+    byte, then sent again on a fresh connection; the server saw it once."""
+    options = connection_options(header_timeout_s=0.5, max_connections=64)
+    with Server(**options) as server:
+        first, second = asyncio.run(_two_calls(server.url, lambda s: 1.0))
+    assert [rid for rid, _ in server.seen] == ["a", "b"]
+    assert server.seen[0][1] != server.seen[1][1]  # the retry opened a fresh connection
+    assert second.finish_reason == "length" and second.output_ids == [0, 1, 2, 3]
+    assert second.retries == 1 and first.retries == 0
+
+
+def test_a_call_that_may_have_reached_the_server_is_not_sent_again():
+    """A broken-off response (the server had the call) fails the call: it is not resent."""
+    options = connection_options(header_timeout_s=10, max_connections=64)
+    with Server(broken_stream=True, **options) as server:
+
+        async def run() -> CallRecord:
+            async with open_session(max_connections=0, call_timeout_s=10, connect_timeout_s=5) as s:
+                req, rec = _call("a")
+                with pytest.raises(Exception):  # noqa: B017 (whichever error: not resent)
+                    await send_call(s, server.url, req, rec, time.monotonic)
+                return rec
+
+        rec = asyncio.run(run())
+    assert [rid for rid, _ in server.seen] == ["a"]
+    assert getattr(rec, "retries", 0) == 0
+
+
+def test_a_fresh_connection_closed_by_the_server_is_not_retried():
+    """A fresh connection the server closes after reading the call: the call may have been
+    processed, so it fails once (the server read it once)."""
+    sock = _listen()
+    reads: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = sock.accept()
+        conn.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        reads.append(data)
+        conn.close()  # read the call, answer nothing
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def run() -> CallRecord:
+        async with open_session(max_connections=0, call_timeout_s=10, connect_timeout_s=5) as s:
+            req, rec = _call("a")
+            with pytest.raises(aiohttp.ClientError):
+                await send_call(s, url, req, rec, time.monotonic)
+            return rec
+
+    try:
+        rec = asyncio.run(run())
+    finally:
+        thread.join(5)
+        sock.close()
+    assert len(reads) == 1
+    assert getattr(rec, "retries", 0) == 0
