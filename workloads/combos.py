@@ -28,6 +28,11 @@ PREBLE = Combo("Preble", "preble", "preble-local")  # Preble's router over its o
 VTC = Combo("VTC", "per-client-rr", "vtc")
 CACHE_AWARE = Combo("CacheAware+LPM", "cache-aware", "lpm")
 GRID_COMBOS = (D2LPM, RR_LPM, PREBLE, VTC, CACHE_AWARE)
+# D2LPM at the paper's setting (its rounds, Q_u = 10,000) beside the defaults above (sliding
+# deficits, Q_u = 300,000: what the live server runs); ``d2lpm-grid`` runs both.
+D2LPM_PAPER = Combo(
+    "D2LPM-paper", "d2lpm", "dlpm", router_opts={"deficits": "rounds", "quantum": 10_000.0}
+)
 # One GPU: the router is irrelevant, only the local policy differs.
 LPM1 = Combo("LPM", "rr", "lpm")
 VTC1 = Combo("VTC", "rr", "vtc")

@@ -1,9 +1,13 @@
 """``d2lpm-grid`` (DLPM Fig. 7): every program workload × S1/S2 × 1–8 GPUs × the router and
-local policy pairings, and the claims that hold in every cell of the grid."""
+local policy pairings, and the claims that hold in every cell of the grid.
+
+D2LPM runs at two settings: ``D2LPM`` at the defaults (sliding deficits, ``Q_u`` = 300,000;
+the live server's) and, from 2 GPUs, ``D2LPM-paper`` at the paper's (rounds, ``Q_u`` =
+10,000; its rows' ``router_opts`` say so). The claims are about ``D2LPM``."""
 
 from __future__ import annotations
 
-from sgl_fair.workloads.combos import CACHE_AWARE, GRID_COMBOS, PREBLE
+from sgl_fair.workloads.combos import CACHE_AWARE, D2LPM, D2LPM_PAPER, GRID_COMBOS, PREBLE
 
 from .cluster_base import RATE_SCALE, ClusterExperiment, by_key, claim, missing, one
 from .cluster_runs import RunSpec
@@ -14,14 +18,18 @@ QUICK_PROGRAM_SECONDS = 60.0  # quick: 60/dp s of arrivals per run (same number 
 FULL_SECONDS = 180.0
 
 
+# The defaults' rows, then the paper setting's beside them.
+COMBOS = tuple(c for d in GRID_COMBOS for c in ((d, D2LPM_PAPER) if d == D2LPM else (d,)))
+
+
 def _grid_specs(quick: bool, seed: int) -> list[RunSpec]:
     specs = []
     for wl in GRID_WORKLOADS:
         for sc in ("s1", "s2"):
             for dp in GRID_DPS:
                 dur = QUICK_PROGRAM_SECONDS / dp if quick else FULL_SECONDS
-                for combo in GRID_COMBOS:
-                    if dp == 1 and combo in (PREBLE, CACHE_AWARE):
+                for combo in COMBOS:
+                    if dp == 1 and combo in (PREBLE, CACHE_AWARE, D2LPM_PAPER):
                         continue  # one GPU: routing is moot (the paper omits Preble there)
                     specs.append(
                         RunSpec(combo, dp, wl, sc, dur, rate_scale=RATE_SCALE[wl, sc], seed=seed)

@@ -49,11 +49,17 @@ def test_grid_covers_workloads_scenarios_dps_and_pairings():
     assert {s.dp for s in specs} == {1, 2, 4, 8}
     assert {s.combo.label for s in specs if s.dp == 4} == {
         "D2LPM",
+        "D2LPM-paper",  # the paper's setting beside the defaults (issue 31)
         "RR+LPM",
         "Preble",
         "VTC",
         "CacheAware+LPM",
     }
+    paper = {s.combo.router_opts.get("deficits") for s in specs if s.combo.label == "D2LPM-paper"}
+    assert paper == {"rounds"} and all(
+        s.combo.router_opts["quantum"] == 10_000 for s in specs if s.combo.label == "D2LPM-paper"
+    )
+    assert 1 not in {s.dp for s in specs if s.combo.label == "D2LPM-paper"}  # routing is moot
     # Quick keeps the number of programs per run: dp × duration is constant.
     assert len({s.dp * s.duration_s for s in specs}) == 1
 
@@ -61,11 +67,11 @@ def test_grid_covers_workloads_scenarios_dps_and_pairings():
 def test_overrides_select_a_slice_or_make_a_pairing():
     specs = EXPERIMENTS["d2lpm-grid"].build(True, 0)
     sliced = apply_overrides(specs, Overrides(dp=4, workload="tot", scenario="s2"))
-    assert len(sliced) == 5 and {(s.dp, s.workload, s.scenario) for s in sliced} == {
+    assert len(sliced) == 6 and {(s.dp, s.workload, s.scenario) for s in sliced} == {
         (4, "tot", "s2")
     }
     only = apply_overrides(sliced, Overrides(router="d2lpm"))
-    assert [s.combo.label for s in only] == ["D2LPM"]
+    assert [s.combo.label for s in only] == ["D2LPM", "D2LPM-paper"]
     custom = apply_overrides(sliced, Overrides(router="least-load", local="vtc"))
     assert len(custom) == 1 and (custom[0].combo.router, custom[0].combo.local) == (
         "least-load",
