@@ -14,8 +14,10 @@ The rules are the worker's (``FairServe.on_arrival``), with the same bookkeeping
 * every arrival is counted in its user's (over all apps, and per app) and its app's sliding
   windows, throttled ones too (retrying while over a limit keeps you over it);
 * only a request that **starts** an interaction may be refused — no ``interaction_id``, an id
-  never seen, or one idle (no arrival, no finish) for more than ``interaction_timeout_s``;
-  a call of an interaction in flight is never refused;
+  never seen, or one idle for more than ``interaction_timeout_s``: no call of it in flight
+  through the router (let in, its ``Finished`` not yet seen) and no arrival or finish for
+  that long; a call of an interaction in flight is never refused, however long its calls
+  wait or run;
 * only while the **cluster** is overloaded; then the user's limit is checked first, the
   app's second. The refusal is the worker's ``Rejection`` (reason, retry-after, limit).
 
@@ -143,6 +145,7 @@ class ClusterOIT:
         self.windows = Windows(self.config.limits)
         self._interactions: dict[str, float] = {}  # interaction id -> last activity
         self._open: dict[str, str] = {}  # rid -> interaction id, of admitted calls
+        self._open_n: dict[str, int] = {}  # interaction id -> its calls in ``_open``
         self._forget_at = 4096  # forget ended interactions once this many are kept
         self.num_arrivals = 0
         self.num_throttled = 0
@@ -206,21 +209,37 @@ class ClusterOIT:
         iid = req.interaction_id
         if iid is not None:
             self._interactions[iid] = max(self._interactions.get(iid, now), now)
-            self._open[req.rid] = iid
+            if self._open.get(req.rid) != iid:
+                self._close(req.rid)
+                self._open[req.rid] = iid
+                self._open_n[iid] = self._open_n.get(iid, 0) + 1
             self._bound(now, in_flight)
         return None
 
     def on_finished(self, rid: str, now: float) -> None:
         """Call ``rid`` ended (its ``Finished`` reached the router): its interaction is active
         until ``now`` (a closed-loop agent's next call comes only after this one)."""
-        iid = self._open.pop(rid, None)
+        iid = self._close(rid)
         if iid is not None and iid in self._interactions:
             self._interactions[iid] = max(self._interactions[iid], now)
 
+    def _close(self, rid: str) -> str | None:
+        iid = self._open.pop(rid, None)
+        if iid is not None:
+            n = self._open_n[iid] - 1
+            if n:
+                self._open_n[iid] = n
+            else:
+                del self._open_n[iid]
+        return iid
+
     def in_flight(self, interaction_id: str | None, now: float) -> bool:
-        """Whether ``interaction_id`` has started and not yet ended (idle timeout)."""
+        """Whether ``interaction_id`` has started and not yet ended: a call of it is in flight,
+        or its last arrival or finish is at most ``interaction_timeout_s`` old."""
         if interaction_id is None:
             return False
+        if interaction_id in self._open_n:
+            return True
         last = self._interactions.get(interaction_id)
         return last is not None and now - last <= self.config.interaction_timeout_s
 
@@ -231,10 +250,15 @@ class ClusterOIT:
         """Forget ended interactions, and calls that ended without a ``Finished`` through the
         router (failed when their worker died, ...), once they pile up."""
         if len(self._open) > 2 * len(in_flight) + 4096:  # amortized: after it, <= in flight
-            self._open = {r: i for r, i in self._open.items() if r in in_flight}
+            for rid in [r for r in self._open if r not in in_flight]:
+                self._close(rid)  # it ended unseen: its interaction idles from now
         if len(self._interactions) > self._forget_at:
             timeout = self.config.interaction_timeout_s
-            self._interactions = {i: t for i, t in self._interactions.items() if now - t <= timeout}
+            self._interactions = {
+                i: t
+                for i, t in self._interactions.items()
+                if now - t <= timeout or i in self._open_n
+            }
             self._forget_at = 2 * len(self._interactions) + 4096
 
 

@@ -31,7 +31,10 @@ flight go first, least-served user first, then the earliest request of the least
 running batch); ``"started"`` (default, *beyond the paper*) also counts interactions whose
 earlier calls have finished but that have not ended (a closed-loop agent's next call arrives
 only after its previous one finished, so it is never "running" when its next call waits);
-``"off"`` disables it. An interaction ends after ``interaction_timeout_s`` without a call.
+``"off"`` disables it. An interaction ends ``interaction_timeout_s`` after its last activity
+(a call's arrival, admission or finish) once none of its calls is queued or running: a call
+that waits or runs longer than the timeout never ends its interaction (its next call is no
+new interaction, so it is never throttled).
 
 **OIT** (``throttle=True``; ``fairserve-w`` is the same policy without it): at arrival,
 count the request against its user's and app's window, then — only when the worker is
@@ -122,6 +125,8 @@ class FairServe(BasePolicy):
         # id(req) -> (service charged at admission, the w it was priced at)
         self._charged: dict[int, tuple[float, float]] = {}
         self._interactions: dict[str, float] = {}  # interaction id -> last activity (s)
+        self._open: dict[str, int] = {}  # interaction id -> its calls queued or running
+        self._open_calls: dict[int, str] = {}  # id(req) -> its interaction, while open
         self._started: set[str] = set()  # interactions with an admitted call
         self._num_waiting = 0
         # The waiting queue by user and interaction, with lazy heaps by counter: a pass
@@ -213,8 +218,11 @@ class FairServe(BasePolicy):
                         reason, retry_after, limit, limit_max, self.windows.limits.window_s
                     )
         if req.interaction_id is not None:
-            self._interactions[req.interaction_id] = now
-            self._index.mark(req.interaction_id)
+            iid = req.interaction_id
+            self._interactions[iid] = now
+            self._open[iid] = self._open.get(iid, 0) + 1
+            self._open_calls[id(req)] = iid
+            self._index.mark(iid)
         rejoining = not self.active.is_active(req.client)
         floor = self._floor() if rejoining else 0.0
         self.active.enqueue(req.client)
@@ -230,18 +238,31 @@ class FairServe(BasePolicy):
         return self._load is not None and self._load() >= self.config.kv_threshold
 
     def _starts_interaction(self, req: Request, now: float) -> bool:
-        iid = req.interaction_id
-        if iid is None:
-            return True
-        last = self._interactions.get(iid)
-        return last is None or now - last > self.config.interaction_timeout_s
+        return not self.in_flight(req.interaction_id, now)
 
     def in_flight(self, interaction_id: str | None, now: float) -> bool:
-        """Whether ``interaction_id`` has started and not yet ended (idle timeout)."""
+        """Whether ``interaction_id`` has started and not yet ended: a call of it is queued
+        or running, or its last activity is at most ``interaction_timeout_s`` old."""
         if interaction_id is None:
             return False
+        if self._open.get(interaction_id, 0) > 0:
+            return True
         last = self._interactions.get(interaction_id)
         return last is not None and now - last <= self.config.interaction_timeout_s
+
+    def _close(self, req: Request, now: float) -> None:
+        """``req`` left for good (finished or aborted): one call fewer open in its interaction."""
+        iid = self._open_calls.pop(id(req), None)
+        if iid is None:
+            return
+        n = self._open[iid] - 1
+        if n:
+            self._open[iid] = n
+        else:
+            del self._open[iid]
+        if iid in self._interactions:
+            self._interactions[iid] = max(self._interactions[iid], now)
+        self._index.mark(iid)
 
     def _floor(self) -> float:
         """The smallest active counter, or the last leaver's when the queue is empty."""
@@ -288,7 +309,8 @@ class FairServe(BasePolicy):
         if waiting:
             self._num_waiting -= 1
             self._index.remove(req)
-        super().on_aborted(req, waiting)
+        super().on_aborted(req, waiting)  # an admitted one finishes (``on_finished``)
+        self._close(req, self._now)
 
     def on_finished(self, req: Request) -> None:
         """Settle: the call's true cost replaces whatever was charged for it (Alg. 1 l.43-48)."""
@@ -296,18 +318,16 @@ class FairServe(BasePolicy):
         self._set(
             req.client, self.counter(req.client) + self.service(req, req.num_output, w) - charged
         )
-        if req.interaction_id is not None and req.interaction_id in self._interactions:
-            self._interactions[req.interaction_id] = max(
-                self._interactions[req.interaction_id], req.finish_s or self._now
-            )
-            self._index.mark(req.interaction_id)
+        self._close(req, req.finish_s or self._now)
         self._learn(req)
         if len(self._interactions) > 4 * (self._num_waiting + 1024):
             self._forget_ended(req.finish_s or self._now)
 
     def _forget_ended(self, now: float) -> None:
         timeout = self.config.interaction_timeout_s
-        self._interactions = {i: t for i, t in self._interactions.items() if now - t <= timeout}
+        self._interactions = {
+            i: t for i, t in self._interactions.items() if now - t <= timeout or i in self._open
+        }
         self._started &= self._interactions.keys()
         self._index.mark_all()
 
@@ -353,7 +373,10 @@ class FairServe(BasePolicy):
         return iid in self._started and self.in_flight(iid, now)
 
     def _deadline(self, iid: str) -> float:
-        """When ``iid`` ends unless it sees activity (its calls stop continuing after)."""
+        """When ``iid`` ends unless it sees activity (its calls stop continuing after); never
+        while a call of it is open (its close marks it for a re-check)."""
+        if iid in self._open:
+            return float("inf")
         return self._interactions[iid] + self.config.interaction_timeout_s
 
     def _continuing(

@@ -33,3 +33,59 @@ def test_a_per_app_user_limit_counts_that_app_only() -> None:
     d.arrive(call("x", app="other"))
     got = [d.arrive(call("u", app=a, iid=f"{a}{i}")) for i in range(3) for a in ("chat", "agent")]
     assert got == [True, True, True, True, False, False]
+
+
+def _overloaded_over_limit(**opts):
+    """A policy that is overloaded and whose user ``u`` is at its limit of 1."""
+    p = make_policy(
+        "fairserve",
+        max_waiting=0,
+        interaction_timeout_s=120,
+        limits={"user_limit": 1, "window_s": 1000},
+        **opts,
+    )
+    d = Driver(p)
+    d.arrive(call("x", app="other"))  # one waiting: overloaded from now on
+    return p, d
+
+
+def test_a_call_running_longer_than_the_timeout_keeps_its_interaction_alive() -> None:
+    p, d = _overloaded_over_limit()
+    d.arrive(call("u", iid="i"))
+    d.admit(2)  # x and u's first call run ...
+    d.arrive(call("x", app="other"))  # (still overloaded)
+    d.view.now = 300.0  # ... for 300 s; no arrival, admission or finish since 0 s
+    assert d.arrive(call("u", iid="i", stage=1)), "429 mid-interaction"
+    assert not d.arrive(call("u", iid="new"))  # a new one is still throttled
+
+
+def test_a_call_waiting_longer_than_the_timeout_keeps_its_interaction_alive() -> None:
+    p, d = _overloaded_over_limit()
+    d.arrive(call("u", iid="i"))  # waits: never admitted
+    d.view.now = 300.0
+    assert d.arrive(call("u", iid="i", stage=1)), "429 mid-interaction"
+    assert p.in_flight("i", 300.0)
+
+
+def test_an_interaction_ends_a_timeout_after_its_last_open_call_finished() -> None:
+    p, d = _overloaded_over_limit()
+    d.arrive(call("u", iid="i"))
+    (first,) = [r for r in d.admit(2) if r.client == "u"]
+    d.arrive(call("x", app="other"))
+    d.view.now = 300.0
+    d.finish(first)
+    d.view.now = 419.0
+    assert p.in_flight("i", 419.0)
+    d.view.now = 421.0
+    assert not p.in_flight("i", 421.0)
+    assert not d.arrive(call("u", iid="i", stage=1))  # idle 121 s: it starts anew, throttled
+
+
+def test_an_aborted_waiting_call_closes() -> None:
+    p, d = _overloaded_over_limit()
+    req = call("u", iid="i")
+    d.arrive(req)
+    d.waiting.remove(req)
+    p.on_aborted(req, waiting=True)
+    d.view.now = 200.0
+    assert not p.in_flight("i", 200.0)

@@ -114,7 +114,9 @@ def test_an_interaction_ends_after_the_idle_timeout_and_a_finish_keeps_it_alive(
     view.all(0.0)  # not overloaded: let the first calls in
     first = req(iid="long", t=0.0)
     assert o.on_arrival(first, 0.0, view) is None
-    assert o.on_arrival(req(iid="idle", t=0.0), 0.0, view) is None
+    idle = req(iid="idle", t=0.0)
+    assert o.on_arrival(idle, 0.0, view) is None
+    o.on_finished(idle.rid, 0.0)  # (a call in flight keeps its interaction alive: finish it)
     o.on_finished(first.rid, 25.0)  # a long call: its interaction was active until 25 s
     view.all(30.0, waiting=1)
     assert o.on_arrival(req(iid="long", t=30.0), 30.0, view) is None  # 5 s after the finish

@@ -21,3 +21,32 @@ def test_the_global_user_limit_counts_the_user_over_all_its_apps() -> None:
             view.all(t, waiting=3)
             accepted += o.on_arrival(req("u", iid=f"{app}-{i}", app=app, t=t), t, view) is None
     assert accepted == 3
+
+
+def test_a_call_in_flight_longer_than_the_timeout_keeps_its_interaction_alive() -> None:
+    view = View()
+    o = ClusterOIT(
+        max_waiting=0, interaction_timeout_s=120, limits={"user_limit": 1, "window_s": 1000}
+    )
+    view.all(0.0, waiting=3)
+    first = req("u", iid="i", t=0.0)
+    assert o.on_arrival(first, 0.0, view) is None  # dispatched; runs (or waits) 300 s
+    view.all(300.0, waiting=3)
+    assert o.on_arrival(req("u", iid="i", t=300.0), 300.0, view) is None, "429 mid-interaction"
+    assert o.on_arrival(req("u", iid="new", t=300.0), 300.0, view) is not None
+    o.on_finished(first.rid, 310.0)
+    # the second call of "i" is still open: "i" stays alive however long it takes
+    view.all(1000.0, waiting=3)
+    assert o.in_flight("i", 1000.0)
+
+
+def test_an_interaction_ends_a_timeout_after_its_last_open_call() -> None:
+    view = View()
+    o = ClusterOIT(max_waiting=0, interaction_timeout_s=120, limits={"user_limit": 0})
+    view.all(0.0)
+    first = req("u", iid="i", t=0.0)
+    assert o.on_arrival(first, 0.0, view) is None
+    o.on_finished(first.rid, 300.0)
+    assert o.in_flight("i", 419.0) and not o.in_flight("i", 421.0)
+    view.all(421.0, waiting=3)
+    assert o.on_arrival(req("u", iid="i", t=421.0), 421.0, view) is not None
