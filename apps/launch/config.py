@@ -38,8 +38,8 @@ class LaunchConfig:
     router_policy_opts: dict[str, Any] = field(default_factory=dict)
     cluster_oit: bool = False  # FairServe's OIT at the router, over the cluster (router/oit.py)
     cluster_oit_opts: dict[str, Any] = field(default_factory=dict)  # its options, resolved
-    chunked_prefill_size: int = 8192
-    max_running_requests: int = 256
+    chunked_prefill_size: int | None = 8192  # None: the engine's own (SGLang's, per GPU)
+    max_running_requests: int | None = 256
     backend: str = "sim"
     gpu: str = "H100-80GB"
     model: str = "Llama-3.1-8B"
@@ -161,8 +161,11 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         bad(f"--schedule-policy {a.schedule_policy!r} is unknown; choose from {policy_names()}")
     if a.router_policy not in router_policy_names():
         bad(f"--router-policy {a.router_policy!r} is unknown; choose from {router_policy_names()}")
+    for name, default in BACKEND_DEFAULTS.get(backend, BACKEND_DEFAULTS["sim"]).items():
+        if getattr(a, name) is None:
+            setattr(a, name, default)
     for name in ("chunked_prefill_size", "max_running_requests", "kv_page_size", "max_body_bytes"):
-        if getattr(a, name) < 1:
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             bad(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if not a.time_scale > 0:
         bad(f"--time-scale must be > 0 (got {a.time_scale})")
@@ -291,6 +294,14 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         kv_allocator_opts=alloc_opts,
     )
 
+
+# Flags whose default depends on the engine; None leaves the engine's own choice (SGLang
+# sizes both per GPU), so the launcher passes them to SGLang only when the user gave them.
+BACKEND_DEFAULTS: dict[str, dict[str, int | None]] = {
+    "sim": {"chunked_prefill_size": 8192, "max_running_requests": 256},
+    "torch": {"chunked_prefill_size": 8192, "max_running_requests": 256},
+    "sglang": {"chunked_prefill_size": None, "max_running_requests": None},
+}
 
 TORCH_PRESETS = ("tiny",)  # worker/torch_engine/model.py's PRESETS (checked by its tests)
 

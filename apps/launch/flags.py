@@ -57,8 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         "interaction_timeout_s, stale_after_s, limits.* (default: fairserve's own "
         "--schedule-policy-opt values)",
     )  # fmt: skip
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument(
+        "--chunked-prefill-size", type=int, default=None,
+        help="default: 8192 (sim, torch); sglang: SGLang's own (per GPU) unless given",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-running-requests", type=int, default=None,
+        help="default: 256 (sim, torch); sglang: SGLang's own (per GPU) unless given",
+    )  # fmt: skip
     p.add_argument(
         "--backend", choices=("sim", "sglang", "torch"), default=None,
         help="engine: 'sim' (simulated GPU; the default), 'sglang' (real SGLang servers; "

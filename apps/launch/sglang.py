@@ -52,9 +52,13 @@ def sglang_server_command(
         "--kv-events-config", json.dumps(kv_events),
         # chunks carry only the new tokens (cumulative ones cost the square of the output)
         "--incremental-streaming-output",
-        "--chunked-prefill-size", str(cfg.chunked_prefill_size),
-        "--max-running-requests", str(cfg.max_running_requests),
     ]  # fmt: skip
+    for flag, value in (
+        ("--chunked-prefill-size", cfg.chunked_prefill_size),
+        ("--max-running-requests", cfg.max_running_requests),
+    ):
+        if value is not None:  # else SGLang's own default (sized per GPU)
+            argv += [flag, str(value)]
     if cfg.context_length is not None:
         argv += ["--context-length", str(cfg.context_length)]
     if cfg.served_model_name is not None:

@@ -24,7 +24,7 @@ def test_sglang_parses_the_server_command():
     ns = parser.parse_args(argv[3:])
     assert (ns.model_path, ns.host, ns.port) == ("/models/tiny", "127.0.0.1", 31000)
     assert (ns.base_gpu_id, ns.tp_size, ns.dp_size) == (2, 2, 1)
-    assert (ns.chunked_prefill_size, ns.max_running_requests) == (8192, 256)
+    assert (ns.chunked_prefill_size, ns.max_running_requests) == (None, None)  # SGLang's
     assert (ns.context_length, ns.served_model_name) == (4096, "tiny")
     assert (ns.load_format, ns.mem_fraction_static) == ("dummy", 0.3)  # passed through
     kv = KVEventsConfig.from_cli(ns.kv_events_config)

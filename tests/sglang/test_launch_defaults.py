@@ -23,3 +23,14 @@ def test_servers_stream_incrementally():
     """Cumulative chunks repeat every token so far: a 4,096-token stream is ~90 MB of JSON in
     the bridge. The bridge reads the server's mode from /server_info."""
     assert _parsed([]).incremental_streaming_output is True
+
+
+def test_sglangs_own_batch_defaults_stand_unless_the_user_sets_them():
+    """SGLang sizes --chunked-prefill-size and --max-running-requests per GPU; the launcher
+    passes them only when given (the simulator keeps its own defaults)."""
+    ns = _parsed([])
+    assert (ns.chunked_prefill_size, ns.max_running_requests) == (None, None)
+    ns = _parsed(["--chunked-prefill-size", "2048", "--max-running-requests", "48"])
+    assert (ns.chunked_prefill_size, ns.max_running_requests) == (2048, 48)
+    sim = parse_config([])
+    assert (sim.chunked_prefill_size, sim.max_running_requests) == (8192, 256)

@@ -16,6 +16,7 @@ be fair never silently runs SGLang's own policy instead.
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -58,7 +59,8 @@ def register() -> None:
     HookRegistry.register(TARGETS["batch_result"], _after_batch_result, HookType.AFTER)
     HookRegistry.register(TARGETS["abort"], _after_abort, HookType.AFTER)
     HookRegistry.register(TARGETS["retract"], _after_retract, HookType.AFTER)
-    log.info("sgl-fair: local policy %s %s", settings.policy, settings.opts)
+    # No "on" line here: SGLang configures its logging after loading plugins (install_policy
+    # writes it, once the scheduler's log is set up).
 
 
 def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
@@ -78,6 +80,11 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
         settings.make_policy(),
         scheduler.tree_cache,
         enable_hierarchical_cache=bool(getattr(scheduler, "enable_hierarchical_cache", False)),
+    )
+    log.info(  # SGLang's log prefix names the rank
+        "sgl-fair plugin on: local policy %s, options %s",
+        settings.policy,
+        json.dumps(settings.opts, sort_keys=True),
     )
     return scheduler.policy
 
