@@ -21,9 +21,15 @@ Charging (``charge``):
   free slot in one admission walk before anything is charged.
 * ``"finish"``: the paper's rule (Alg. 1 l.43-48): the whole cost once, at finish.
 
-Counters never carry credit: a user (re)joining the queue is lifted to the smallest active
-counter, or to the last leaver's if the queue is empty (VTC's lift), and a settled request's
-net charge is never negative, so a user's counter never falls below the floor it was lifted to.
+Counters never carry credit: a user (re)joining the queue is lifted to the smallest
+*settled* counter of a waiting user, or to the last leaver's if the queue is empty (VTC's
+lift, ``fairserve_floor``). Settled = the counter less the expected output pre-charged for
+calls not yet settled: a pre-charge is no floor until it settles, so a refund never leaves
+its user below a floor a newcomer was lifted to. Settled counters never fall, so neither
+does the floor, and a backlogged user's counter never falls below any floor issued. Users
+with nothing queued or running whose counter is at or below the floor are forgotten
+(``forget_idle``, default on): they would be lifted to the floor anyway, so no decision
+changes, and the state stays bounded.
 
 Selection (``interaction_first``): waiting calls that continue an interaction already in
 flight go first, least-served user first, then the earliest request of the least-served user
@@ -60,6 +66,7 @@ from sgl_fair.policies.base import (
     group_by_client,
     register,
 )
+from sgl_fair.policies.fairserve_floor import Floors
 from sgl_fair.policies.fairserve_oit import Limits, LoadProbe, Windows
 from sgl_fair.policies.fairserve_queue import WaitingIndex, reference_walk
 from sgl_fair.request import ClientId, Request
@@ -82,6 +89,9 @@ class FairServe(BasePolicy):
         stage_weights: Mapping[str, float] = field(default_factory=dict)
         seed_count: int = 10
         learn: bool = True
+        # Forget a user with nothing queued or running whose counter is at or below the
+        # lift floor: it changes no decision (``fairserve_floor``) and bounds the state.
+        forget_idle: bool = True
         charge: str = "admission"
         interaction_first: str = "started"
         interaction_timeout_s: float = 120.0
@@ -119,11 +129,13 @@ class FairServe(BasePolicy):
     def __init__(self, config: Config | None = None) -> None:
         super().__init__(config)
         self.counters: dict[ClientId, float] = {}
+        self._floors = Floors(self.counters, self.active)
         self.windows = Windows(self.config.limits)
         self._stage_mean: dict[tuple[str, int], tuple[float, int]] = {}  # (mean, n)
         self._out_mean: dict[tuple[str, int], float] = {}
-        # id(req) -> (service charged at admission, the w it was priced at)
-        self._charged: dict[int, tuple[float, float]] = {}
+        # id(req) -> (service charged at admission, the w it was priced at (None: the w at
+        # finish), the part of it that is expected output, unsettled), from the 1st admission
+        self._charged: dict[int, tuple[float, float | None, float]] = {}
         self._interactions: dict[str, float] = {}  # interaction id -> last activity (s)
         self._open: dict[str, int] = {}  # interaction id -> its calls queued or running
         self._open_calls: dict[int, str] = {}  # id(req) -> its interaction, while open
@@ -150,6 +162,11 @@ class FairServe(BasePolicy):
         return self.counters.get(user, 0.0)
 
     service_received = counter  # the share guard's measure (policies/base.py)
+
+    def settled(self, user: ClientId) -> float:
+        """``user``'s counter less the expected output pre-charged for calls not yet settled
+        (``charge="admission"``): what the counter lift reads (``fairserve_floor``)."""
+        return self._floors.settled(user)
 
     def _key(self, req: Request) -> tuple[str, int]:
         return (req.app or "", req.stage)
@@ -265,20 +282,15 @@ class FairServe(BasePolicy):
         self._index.mark(iid)
 
     def _floor(self) -> float:
-        """The smallest active counter, or the last leaver's when the queue is empty."""
-        if len(self.active) == 0:
-            last = self.active.last_left
-            return self.counter(last) if last is not None else 0.0
-        if len(self._index.queues) == len(self.active):  # the index mirrors `active`
-            floor = self._index.min_counter()
-            if floor is not None:
-                return floor
-        return min(self.counter(u) for u in self.active.clients())
+        """The smallest *settled* counter of a waiting user, or the last leaver's when none
+        waits (``fairserve_floor``: pre-charged output is no floor until it settles)."""
+        return self._floors.floor()
 
     def _set(self, user: ClientId, value: float) -> None:
-        """The only writer of ``counters`` (the index's heaps follow every change)."""
+        """The only writer of ``counters`` (the index's and the floor's heaps follow)."""
         self.counters[user] = value
         self._index.touch(user)
+        self._floors.touch(user)
 
     # ---------------------------------------------------------------- accounting
 
@@ -292,18 +304,26 @@ class FairServe(BasePolicy):
                 self._interactions.get(req.interaction_id, self._now), self._now
             )
             self._index.mark(req.interaction_id)
-        if req.num_retractions == 0 and self.config.charge == "admission":
+        if req.num_retractions > 0:
+            return  # re-admitted after a retraction: charged at its first admission
+        if self.config.charge == "admission":
             # Priced once: the settlement at finish uses the same w, so learning between
             # admission and finish never re-prices a call.
             w = self._weight_now(req)
             service = self.service(req, self._expected_output(req), w)
+            pending = max(service - self.service(req, 0, w), 0.0)
+            self._floors.admitted(req.client, pending)
             self._set(req.client, self.counter(req.client) + service)
-            self._charged[id(req)] = (service, w)
+            self._charged[id(req)] = (service, w, pending)
+        else:
+            self._floors.admitted(req.client, 0.0)
+            self._charged[id(req)] = (0.0, None, 0.0)
 
     def on_retracted(self, req: Request) -> None:
         super().on_retracted(req)
         self._num_waiting += 1
         self._index.add(req)  # back in the queue (and in the heaps)
+        self._floors.touch(req.client)
 
     def on_aborted(self, req: Request, waiting: bool) -> None:
         if waiting:
@@ -311,15 +331,23 @@ class FairServe(BasePolicy):
             self._index.remove(req)
         super().on_aborted(req, waiting)  # an admitted one finishes (``on_finished``)
         self._close(req, self._now)
+        if self.config.forget_idle:
+            self._floors.forget(req.client)
 
     def on_finished(self, req: Request) -> None:
         """Settle: the call's true cost replaces whatever was charged for it (Alg. 1 l.43-48)."""
-        charged, w = self._charged.pop(id(req), (0.0, None))
+        entry = self._charged.pop(id(req), None)
+        if entry is None:
+            return  # never admitted: nothing to settle
+        charged, w, pending = entry
+        self._floors.settled_call(req.client, pending)
         self._set(
             req.client, self.counter(req.client) + self.service(req, req.num_output, w) - charged
         )
         self._close(req, req.finish_s or self._now)
         self._learn(req)
+        if self.config.forget_idle:
+            self._floors.forget(req.client)
         if len(self._interactions) > 4 * (self._num_waiting + 1024):
             self._forget_ended(req.finish_s or self._now)
 

@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sgl_fair.policies import make_policy
 from tests.core.test_fairserve import Driver, call
 
@@ -89,3 +92,53 @@ def test_an_aborted_waiting_call_closes() -> None:
     p.on_aborted(req, waiting=True)
     d.view.now = 200.0
     assert not p.in_flight("i", 200.0)
+
+
+def test_admission_charging_leaves_no_credit_below_a_newcomers_floor() -> None:
+    """A's pre-charged expected output must not become the floor a newcomer is lifted to,
+    only for A's refund to leave A below it (credit over the newcomer)."""
+    p = make_policy("fairserve", throttle=False, stage_weights={"chat": 20.0}, learn=False)
+    d = Driver(p)
+    first, second = call("a", n_in=10, n_out=5), call("a", n_in=10, n_out=5)
+    first.max_new_tokens = second.max_new_tokens = 190  # pre-charged: (10 + 190) / 20 = 10
+    d.arrive(first)
+    d.arrive(second)
+    d.admit(1)
+    d.arrive(call("b"))  # b (re)joins: lifted to the floor
+    floor = p.counter("b")
+    d.finish(first)  # settled: (10 + 5) / 20 = 0.75
+    assert p.counter("a") >= floor, (p.counter("a"), floor)
+
+
+_op = st.one_of(
+    st.tuples(st.just("arrive"), st.integers(0, 4), st.integers(1, 200)),
+    st.tuples(st.just("admit"), st.integers(1, 3), st.just(0)),
+    st.tuples(st.just("finish"), st.integers(0, 50), st.just(0)),
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(_op, min_size=1, max_size=80), st.sampled_from(["admission", "finish"]))
+def test_no_backlogged_user_falls_below_a_floor_issued_before(ops, charge) -> None:
+    """Floors never fall, and once one is issued every backlogged user stays at or above it:
+    a refund never leaves a user credit below the floor someone was lifted to."""
+    p = make_policy("fairserve", throttle=False, interaction_first="off", charge=charge)
+    d = Driver(p)
+    floor = 0.0
+    for t, (kind, a, b) in enumerate(ops):
+        d.view.now = float(t)
+        if kind == "arrive":
+            req = call(f"u{a}", n_in=20, n_out=b)
+            req.max_new_tokens = 200  # (pre-)charged for up to 200, settles to b
+            before = p.counter(req.client)
+            d.arrive(req)
+            if p.counter(req.client) > before:  # lifted: to the floor
+                assert p.counter(req.client) >= floor - 1e-9, "the floor fell"
+                floor = p.counter(req.client)
+        elif kind == "admit":
+            d.admit(a)
+        elif d.view.running:
+            d.finish(d.view.running[a % len(d.view.running)])
+        for c in d.backlogged():
+            assert p.counter(c) >= floor - 1e-9, (c, p.counter(c), floor)
+        p.check_invariants()
