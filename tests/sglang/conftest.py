@@ -50,3 +50,12 @@ def plugin_hooks():
         HookRegistry.apply_hooks()
         mp.undo()
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random Llama checkpoint with an offline tokenizer, written once per session
+    (``live_rig.write_tiny_llama``), for the tests that start real SGLang servers."""
+    import live_rig
+
+    return live_rig.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
