@@ -212,9 +212,9 @@ class BridgeRig:
     def send(self, msg: Any) -> None:
         self.to_worker.send(encode(msg))
 
-    def dispatch(self, rid: str, max_new_tokens: int, client: str = "alice") -> None:
+    def dispatch(self, rid: str, max_new_tokens: int, client: str = "alice", **kw: Any) -> None:
         req = Request(rid=rid, client=client, input_ids=(5, 6, 7), output_len=max_new_tokens,
-                      arrival_s=time.time())  # fmt: skip
+                      arrival_s=time.time(), **kw)  # fmt: skip
         self.send(Dispatch(0, req, time.time()))
 
     def abort(self, rid: str) -> None:

@@ -60,3 +60,26 @@ def test_tokens_and_finished_carry_the_routers_rid(tmp_path, incremental):
         assert done["r-7"].reason is FinishReason.LENGTH
         assert done["r-7"].output_ids == (100, 101, 102, 103, 104)
         assert rig.tokens_of("r-7") == [100, 101, 102, 103, 104]
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_the_class_priority_follows_the_servers_direction(tmp_path, low_first):
+    """BROS on SGLang: RT must outrank BE in the server's own direction; a server with
+    --schedule-low-priority-values-first (it says so in /server_info) runs low values first,
+    so there RT is the lower value (else waiting BE requests preempt running RT ones)."""
+    from sgl_fair.request import ServiceClass
+
+    info = {"schedule_low_priority_values_first": low_first}
+    with (
+        StandInSGLang(info=info) as server,
+        BridgeRig(str(tmp_path), server.url, class_priority=True) as rig,
+    ):
+        assert rig.hello() is not None
+        rig.dispatch("rt", 2, client="rt-client", service_class=ServiceClass.RT)
+        rig.dispatch("be", 2, client="be-client", service_class=ServiceClass.BE)
+        assert set(rig.finished({"rt", "be"})) == {"rt", "be"}
+        sent = {b["routing_key"]: b["priority"] for _a, b in server.calls("/generate")}
+        rt_sent, be_sent = sent["rt-client"], sent["be-client"]
+        sign = 1 if low_first else -1  # SGLang: priority * sign, smallest first
+        assert rt_sent * sign < be_sent * sign
+        assert abs(rt_sent - be_sent) > 10  # SGLang's default preemption threshold

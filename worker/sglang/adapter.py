@@ -52,7 +52,7 @@ from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.request import DEFAULT_CLIENT, SLO_PARAM, Phase, Request, ServiceClass, slo_pair
 from sgl_fair.worker.sglang import shadow as shadow_mod
 from sgl_fair.worker.sglang import shadow_events
-from sgl_fair.worker.sglang.settings import RT_PRIORITY
+from sgl_fair.worker.sglang.settings import is_rt_priority
 
 log = logging.getLogger("sgl_fair.sglang")
 
@@ -73,8 +73,9 @@ def client_of(req: Req) -> str:
     return str(key) if key else DEFAULT_CLIENT
 
 
-def mirror_of(req: Req, now: float) -> Request:
-    """Our ``Request`` for an SGLang ``Req``, as submitted."""
+def mirror_of(req: Req, now: float, low_priority_first: bool = False) -> Request:
+    """Our ``Request`` for an SGLang ``Req``, as submitted (``low_priority_first``: the
+    server's ``--schedule-low-priority-values-first``)."""
     max_new = req.sampling_params.max_new_tokens
     max_new = max(1, int(max_new)) if max_new is not None else 1
     m = Request(
@@ -85,7 +86,7 @@ def mirror_of(req: Req, now: float) -> Request:
         max_new_tokens=max_new,
         arrival_s=now,
         return_logprob=bool(req.return_logprob),
-        service_class=class_of(req),
+        service_class=class_of(req, low_priority_first),
     )
     slos = slos_of(req)
     if slos is not None:
@@ -100,20 +101,26 @@ def slos_of(req: Req) -> tuple[float, float] | None:
     return slo_pair(params.get(SLO_PARAM)) if isinstance(params, dict) else None
 
 
-def class_of(req: Req) -> ServiceClass:
-    """RT if SGLang's ``priority`` is at least ``RT_PRIORITY`` (what our bridge sends for RT
-    requests; SGLang's default direction, higher first), else BE (the default class)."""
-    priority = getattr(req, "priority", None)
-    return ServiceClass.RT if priority is not None and priority >= RT_PRIORITY else ServiceClass.BE
+def class_of(req: Req, low_priority_first: bool = False) -> ServiceClass:
+    """RT if SGLang's ``priority`` is what our bridge sends for RT requests in this server's
+    direction (``settings.class_priority_values``), else BE (the default class)."""
+    rt = is_rt_priority(getattr(req, "priority", None), low_priority_first)
+    return ServiceClass.RT if rt else ServiceClass.BE
 
 
 class Ledger:
     """SGLang's requests as our policy sees them: one mirror per live request, and every
     event that charges or releases it. Events are idempotent: a request finishes once."""
 
-    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        clock: Callable[[], float] = time.monotonic,
+        low_priority_first: bool = False,
+    ) -> None:
         self.policy = policy
         self.clock = clock
+        self.low_priority_first = low_priority_first  # SGLang's priority direction
         self.mirrors: dict[str, Request] = {}  # rid -> mirror, while SGLang holds the request
         self.reqs: dict[str, Req] = {}  # rid -> SGLang's Req
         # id(Req) -> mirror, for the same entries: a pass looks its queue up by identity, and
@@ -141,7 +148,7 @@ class Ledger:
                 self.retracted(req)
             return None
         now = self.clock()
-        m = mirror_of(req, now)
+        m = mirror_of(req, now, self.low_priority_first)
         rejection = self.policy.on_arrival(m, now)
         if rejection is not None:
             m.phase = Phase.REJECTED
@@ -286,10 +293,11 @@ class FairSchedulePolicy(SchedulePolicy):
         enable_hierarchical_cache: bool = False,
         clock: Callable[[], float] = time.monotonic,
         shadow: bool = True,
+        low_priority_first: bool = False,
     ) -> None:
         super().__init__("fcfs", tree_cache, enable_hierarchical_cache, False, False)
         self.fair = policy
-        self.ledger = Ledger(policy, clock)
+        self.ledger = Ledger(policy, clock, low_priority_first)
         self._queue: list[Req] | None = None
         self._walk: Iterator[Request] | None = None
         self._expect: Req | None = None  # the policy's current choice, at self._pos

@@ -86,8 +86,9 @@ class BridgeConfig:
     abort_grace_s: float = 1.0  # after /abort_request, wait this long before hanging up
     log_level: str = "warning"
     server_pid: int | None = None  # exit when this process is gone
-    # Send each request's RT/BE class as SGLang's `priority` (settings.RT_PRIORITY / BE_PRIORITY):
-    # for a class-aware plugin policy (BROS) on a server with --enable-priority-scheduling.
+    # Send each request's RT/BE class as SGLang's `priority` (settings.class_priority_values,
+    # in the direction the server's /server_info reports): for a class-aware plugin policy
+    # (BROS) on a server with --enable-priority-scheduling.
     class_priority: bool = False
 
 
@@ -320,7 +321,12 @@ class Bridge:
 
     async def _stream(self, job: Job) -> Outcome:
         req = job.req
-        body = generate_body(req, rid=job.rid, class_priority=self.cfg.class_priority)
+        body = generate_body(
+            req,
+            rid=job.rid,
+            class_priority=self.cfg.class_priority,
+            low_priority_first=self.info.low_priority_first,  # the server's own direction
+        )
         async with self.http.post(self.url + "/generate", json=body) as resp:
             if resp.status != 200:
                 body = await resp.text(errors="replace")

@@ -25,7 +25,7 @@ import msgspec
 
 from sgl_fair.messages import FinishReason
 from sgl_fair.request import SLO_PARAM, Request, ServiceClass
-from sgl_fair.worker.sglang.settings import BE_PRIORITY, RT_PRIORITY
+from sgl_fair.worker.sglang.settings import class_priority_values
 
 # A 429 inside a stream carries no Retry-After header: when to retry, then.
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -41,6 +41,7 @@ class ServerInfo:
     kv_capacity_tokens: int = 0  # 0: unknown
     context_len: int | None = None
     incremental: bool = False  # --incremental-streaming-output: chunks carry only new ids
+    low_priority_first: bool = False  # --schedule-low-priority-values-first
 
     @property
     def engine(self) -> str:
@@ -93,6 +94,7 @@ async def probe_server(
             card.get("max_model_len"), model.get("context_length"), info.get("context_length")
         ),
         incremental=bool(info.get("incremental_streaming_output", False)),
+        low_priority_first=bool(info.get("schedule_low_priority_values_first", False)),
     )
 
 
@@ -100,15 +102,19 @@ async def probe_server(
 
 
 def generate_body(
-    req: Request, *, rid: str | None = None, class_priority: bool = False
+    req: Request,
+    *,
+    rid: str | None = None,
+    class_priority: bool = False,
+    low_priority_first: bool = False,
 ) -> dict[str, Any]:
     """The streaming ``/generate`` body for ``req`` (SGLang's native API), sent as ``rid``
     (the bridge's own unique rid per call; default the request's). The client's
     pass-through fields (``req.extra``: LoRA, custom logit processors, images, ...) and
     sampling keys (``req.sampling``: constrained decoding, ...) go in untouched; the keys
     the bridge itself sets (prompt, streaming, rid, logprobs; ``class_priority``: the
-    request's RT/BE class as SGLang's ``priority``, and an RT request's SLOs in
-    ``custom_params``) win."""
+    request's RT/BE class as SGLang's ``priority`` in the server's direction,
+    ``low_priority_first``, and an RT request's SLOs in ``custom_params``) win."""
     sampling = dict(req.sampling or {})
     sampling["max_new_tokens"] = req.max_new_tokens
     body: dict[str, Any] = {
@@ -120,7 +126,8 @@ def generate_body(
     }
     if class_priority:
         rt = req.service_class is ServiceClass.RT
-        body["priority"] = RT_PRIORITY if rt else BE_PRIORITY
+        rt_value, be_value = class_priority_values(low_priority_first)
+        body["priority"] = rt_value if rt else be_value
         if rt:
             params = dict(sampling.get("custom_params") or {})
             params[SLO_PARAM] = [req.ttft_slo_s, req.tpot_slo_s]

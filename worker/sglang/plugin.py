@@ -80,6 +80,7 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
         settings.make_policy(),
         scheduler.tree_cache,
         enable_hierarchical_cache=bool(getattr(scheduler, "enable_hierarchical_cache", False)),
+        low_priority_first=bool(getattr(scheduler, "schedule_low_priority_values_first", False)),
     )
     log.info(  # SGLang's log prefix names the rank
         "sgl-fair plugin on: local policy %s, options %s",

@@ -43,6 +43,23 @@ class PluginSettings:
 # --enable-priority-scheduling a waiting RT request may preempt running BE ones.
 RT_PRIORITY = 100
 BE_PRIORITY = 0
+
+
+def class_priority_values(low_first: bool) -> tuple[int, int]:
+    """(RT, BE) as SGLang's ``priority`` on a server whose direction is ``low_first`` (its
+    ``--schedule-low-priority-values-first``): RT always ranks first, so it may preempt BE
+    and BE never preempts RT."""
+    return (BE_PRIORITY, RT_PRIORITY) if low_first else (RT_PRIORITY, BE_PRIORITY)
+
+
+def is_rt_priority(priority: int | None, low_first: bool) -> bool:
+    """Whether SGLang's ``priority`` names the RT class (``class_priority_values``)."""
+    if priority is None:
+        return False
+    rt, _be = class_priority_values(low_first)
+    return priority <= rt if low_first else priority >= rt
+
+
 # An RT request's SLOs ride in SGLang's `custom_params` under SLO_PARAM (sgl_fair.request);
 # without them a request has the defaults (0.4 s / 0.2 s).
 
