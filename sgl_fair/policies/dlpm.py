@@ -11,6 +11,13 @@ backlogged clients' service differs by at most ``2·(Q + U)`` (Thm 4.1).
 Rejoin: by default a client whose queue went empty → non-empty keeps its debt
 (``d_c = min(d_c, 0)``) so pausing briefly cannot erase it; ``reset_on_rejoin``
 is the paper's ``d_c = 0``.
+
+State per client is bounded (``forget_idle``, default on). A client with nothing queued or
+running is forgotten where that changes no decision: its deficit once it is >= 0 (a rejoin
+turns it into 0 either way; any deficit with ``reset_on_rejoin``), its service measure once
+it is at or below the lift floor (which never falls). A debt (deficit < 0) is kept for the
+``idle_clients`` (10,000) most recently idle debtors; an older one is forgiven, as the paper's
+rejoin rule forgives every debt.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from sgl_fair.policies.base import (
 from sgl_fair.policies.lpm import lpm_order
 from sgl_fair.request import ClientId, Request
 
+_SWEEP_MIN = 1024  # sweep the idle clients once they outgrow this (then 2x, amortized)
+
 
 @register("dlpm")
 class DLPM(BasePolicy):
@@ -43,6 +52,8 @@ class DLPM(BasePolicy):
         cost: CostFunction = field(default_factory=PrefixAwareTokens)
         weights: Mapping[ClientId, float] = field(default_factory=dict)
         reset_on_rejoin: bool = False
+        forget_idle: bool = True
+        idle_clients: int = 10_000
 
         def __post_init__(self) -> None:
             if not self.quantum > 0:
@@ -50,13 +61,22 @@ class DLPM(BasePolicy):
             bad = {c: w for c, w in self.weights.items() if not w > 0}
             if bad:
                 raise ValueError(f"dlpm: weights must be > 0 (got {bad})")
+            if self.idle_clients < 0:
+                raise ValueError(f"dlpm: idle_clients must be >= 0 (got {self.idle_clients})")
 
     def __init__(self, config: Config | None = None) -> None:
         super().__init__(config)
         self.deficits: dict[ClientId, float] = {}
-        # Weighted service received, lifted to the least active client's on rejoin (VTC's
-        # rule): the share guard's measure (policies/base.py); the walk never reads it.
+        # Weighted service received, lifted on rejoin by VTC's rule (to the least active
+        # client's, or the last leaver's if none waits): the share guard's measure
+        # (policies/base.py); the walk never reads it.
         self.served: dict[ClientId, float] = {}
+        self._running: dict[ClientId, int] = {}  # admitted requests not yet finished
+        self._idle: dict[
+            ClientId, None
+        ] = {}  # clients with nothing queued or running, oldest first
+        self.sweep_min = self._sweep_at = _SWEEP_MIN  # (tests lower it)
+        self.num_forgotten = 0
 
     def service_received(self, client: ClientId) -> float:
         return self.served.get(client, 0.0)
@@ -71,17 +91,72 @@ class DLPM(BasePolicy):
 
     def on_arrival(self, req: Request, now: float) -> Rejection | None:
         c = req.client
-        if self.active.enqueue(c):  # (re)joins: enqueue changed no other client's state
+        self._idle.pop(c, None)
+        if not self.active.is_active(c):  # (re)joins
+            floor = self._floor()
+            self.active.enqueue(c)
             d = self.deficit(c)
             self.deficits[c] = 0.0 if self.config.reset_on_rejoin else min(d, 0.0)
-            others = [self.service_received(o) for o in self.active.clients() if o != c]
-            if others:
-                self.served[c] = max(self.service_received(c), min(others))
+            self.served[c] = max(self.service_received(c), floor)
+        else:
+            self.active.enqueue(c)
         return None
+
+    def _floor(self) -> float:
+        """The service floor a rejoining client is lifted to (VTC's rule)."""
+        if len(self.active):
+            return min(self.service_received(o) for o in self.active.clients())
+        last = self.active.last_left
+        return self.service_received(last) if last is not None else 0.0
+
+    def on_finished(self, req: Request) -> None:
+        c = req.client
+        n = self._running.get(c, 0) - 1
+        if n > 0:
+            self._running[c] = n
+            return
+        self._running.pop(c, None)
+        if not self.active.is_active(c):
+            self._idle[c] = None
+        if self.config.forget_idle and len(self._idle) > self._sweep_at:
+            self._forget_idle()
+
+    def on_aborted(self, req: Request, waiting: bool) -> None:
+        super().on_aborted(req, waiting)
+        c = req.client
+        if waiting and not self.active.is_active(c) and c not in self._running:
+            self._idle[c] = None
+
+    def _forget_idle(self) -> None:
+        """Forget what no decision needs (module docstring); amortized O(1) per finish."""
+        floor, last = self._floor(), self.active.last_left
+        reset = self.config.reset_on_rejoin
+        debtors = []
+        for c in list(self._idle):
+            if self.active.is_active(c) or c in self._running:  # (not idle any more)
+                del self._idle[c]
+                continue
+            if c != last and self.service_received(c) <= floor:
+                self.served.pop(c, None)
+            if reset or self.deficit(c) >= 0:
+                self.deficits.pop(c, None)
+            if c in self.deficits:
+                debtors.append(c)
+            elif c not in self.served:
+                del self._idle[c]
+                self.num_forgotten += 1
+        for c in debtors[: max(len(debtors) - self.config.idle_clients, 0)]:
+            del self.deficits[c]  # the oldest debts beyond the bound: forgiven
+            if c not in self.served:
+                del self._idle[c]
+                self.num_forgotten += 1
+        self._sweep_at = 2 * len(self._idle) + self.sweep_min
 
     def on_admitted(self, req: Request, extend_len: int) -> None:
         super().on_admitted(req, extend_len)
         if req.num_retractions == 0:  # a re-admitted request already paid
+            self._running[req.client] = self._running.get(req.client, 0) + 1
+            self._idle.pop(req.client, None)
             cost = self.config.cost.input_cost(input_len=req.input_len, extend_len=extend_len)
             self._charge(req.client, cost)
 

@@ -40,7 +40,7 @@ class Floors:
         self.pending: dict[ClientId, float] = {}  # pre-charged expected output, unsettled
         self.running: dict[ClientId, int] = {}  # admitted calls not yet finished
         self._heap: list[tuple[float, ClientId]] = []
-        self._sweep_at = 1024
+        self.sweep_min = self._sweep_at = 1024  # sweep past it (then 2x, amortized)
         self.num_forgotten = 0
 
     def settled(self, user: ClientId) -> float:
@@ -106,7 +106,7 @@ class Floors:
         if len(self.counters) > self._sweep_at:
             for u in [u for u in self.counters if self.forgettable(u, floor)]:
                 self._drop(u, drop)
-            self._sweep_at = 2 * len(self.counters) + 1024
+            self._sweep_at = 2 * len(self.counters) + self.sweep_min
 
     def _drop(self, user: ClientId, drop: Callable[[ClientId], None] | None) -> None:
         del self.counters[user]

@@ -9,12 +9,23 @@ the last leaver's if the queue was empty), so credit is never carried over.
 Variants, all in this one class because they differ only in bookkeeping:
 
 * weighted: every increment divided by the client's weight (``weights``);
-* length prediction (``predict="predict"`` or ``"oracle"``): charge the
+* length prediction (``predict="predict"``, ``"ema"`` or ``"oracle"``): charge the
   predicted output at admission, then only tokens beyond it, refunding unused
   prediction at finish. ``predict`` = mean output of the client's last
-  ``history`` requests; ``oracle`` = the true length, optionally perturbed
-  uniformly by ±``oracle_noise`` (the paper's "VTC (±50%)").
+  ``history`` requests (the paper's predictor); ``ema`` = the VTC artifact's moving
+  average ``pred ← (4·pred + actual) / 5``, a client's first request predicted 0;
+  ``oracle`` = the true length, optionally perturbed uniformly by ±``oracle_noise``
+  (the paper's "VTC (±50%)").
 * ``lift=False`` is LCF, registered separately in ``lcf.py``.
+
+State per client is bounded (``forget_idle``, default on, with the lift): a client with
+nothing queued or running whose counter is at or below the lift floor is forgotten — it
+would be lifted to the floor anyway. Without prediction counters never fall, so neither
+does the floor, and forgetting changes no decision (tested with and without it). With a
+prediction a refund can lower the floor below a forgotten client's old counter; that client
+then comes back at most one refund ahead. The predictor's per-client state (``predict``,
+``ema``) is kept for the ``history_clients`` (10,000) most recently finished clients; a
+client dropped from it is predicted as a new one.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ from sgl_fair.policies.base import (
 )
 from sgl_fair.request import ClientId, Request
 
-PREDICT_MODES = ("none", "predict", "oracle")
+PREDICT_MODES = ("none", "predict", "ema", "oracle")
+_SWEEP_MIN = 1024  # forget idle clients once the counters outgrow this (then 2x, amortized)
 
 
 @register("vtc")
@@ -52,6 +64,8 @@ class VTC(BasePolicy):
         oracle_noise: float = 0.0
         seed: int = 0
         lift: bool = True
+        forget_idle: bool = True
+        history_clients: int = 10_000
 
         def __post_init__(self) -> None:
             if self.predict not in PREDICT_MODES:
@@ -63,6 +77,8 @@ class VTC(BasePolicy):
                 raise ValueError(f"vtc: weights must be > 0 (got {bad})")
             if self.history < 1:
                 raise ValueError(f"vtc: history must be >= 1 (got {self.history})")
+            if self.history_clients < 1:
+                raise ValueError(f"vtc: history_clients must be >= 1 (got {self.history_clients})")
             if not 0.0 <= self.oracle_noise < 1.0:
                 raise ValueError(f"vtc: oracle_noise must be in [0, 1) (got {self.oracle_noise})")
 
@@ -70,8 +86,12 @@ class VTC(BasePolicy):
         super().__init__(config)
         self.counters: dict[ClientId, float] = {}
         self._predicted: dict[int, int] = {}  # id(req) -> predicted output tokens charged
-        self._history: dict[ClientId, deque[int]] = {}
+        self._history: dict[ClientId, deque[int]] = {}  # predict: the last outputs
+        self._ema: dict[ClientId, float] = {}  # ema: the moving average
         self._rng = random.Random(self.config.seed)
+        self._running: dict[ClientId, int] = {}  # admitted requests not yet finished
+        self.sweep_min = self._sweep_at = _SWEEP_MIN  # (tests lower it)
+        self.num_forgotten = 0
 
     # ---------------------------------------------------------------- accounting
 
@@ -104,6 +124,7 @@ class VTC(BasePolicy):
         super().on_admitted(req, extend_len)
         if req.num_retractions > 0:
             return  # re-admission after a retraction: the client already paid for this work
+        self._running[req.client] = self._running.get(req.client, 0) + 1
         cost = self.config.cost
         self._charge(req.client, cost.input_cost(input_len=req.input_len, extend_len=extend_len))
         predicted = self._prediction(req)
@@ -131,8 +152,49 @@ class VTC(BasePolicy):
                 input_len=req.input_len, start=req.num_output, end=predicted
             )
             self._charge(req.client, -refund)
-        hist = self._history.setdefault(req.client, deque(maxlen=self.config.history))
-        hist.append(req.num_output)
+        self._learn(req.client, req.num_output)
+        c = req.client
+        n = self._running.get(c, 0) - 1
+        if n > 0:
+            self._running[c] = n
+        else:
+            self._running.pop(c, None)
+        if self.config.forget_idle and self.config.lift and len(self.counters) > self._sweep_at:
+            self._forget_idle()
+
+    def _learn(self, client: ClientId, output: int) -> None:
+        """Feed the predictor (only the one in use keeps state), most recent client last."""
+        mode = self.config.predict
+        if mode == "predict":
+            hist = self._history.pop(client, None) or deque(maxlen=self.config.history)
+            hist.append(output)
+            self._history[client] = hist
+            table: dict = self._history
+        elif mode == "ema":
+            self._ema[client] = (4 * self._ema.pop(client, 0.0) + output) / 5
+            table = self._ema
+        else:
+            return
+        if len(table) > self.config.history_clients:  # least recently finished first
+            del table[next(iter(table))]
+
+    def _floor(self) -> float:
+        if len(self.active) == 0:
+            last = self.active.last_left
+            return self.counter(last) if last is not None else 0.0
+        return min(self.counter(k) for k in self.active.clients())
+
+    def _forget_idle(self) -> None:
+        """Drop every idle client at or below the floor (module docstring); amortized."""
+        floor, last = self._floor(), self.active.last_left
+        for c in [
+            c
+            for c, v in self.counters.items()
+            if v <= floor and c != last and c not in self._running and not self.active.is_active(c)
+        ]:
+            del self.counters[c]
+            self.num_forgotten += 1
+        self._sweep_at = 2 * len(self.counters) + self.sweep_min
 
     def _prediction(self, req: Request) -> int | None:
         mode = self.config.predict
@@ -144,6 +206,8 @@ class VTC(BasePolicy):
             hist = self._history.get(req.client)
             if hist:
                 return max(1, round(sum(hist) / len(hist)))
+        if mode == "ema":  # the artifact's: 0 for a client's first request
+            return round(self._ema.get(req.client, 0.0))
         return None
 
     # ---------------------------------------------------------------- admission order
