@@ -59,3 +59,23 @@ def test_the_plugins_on_line_is_in_sglangs_log():
     lines = [x for x in out.stderr.splitlines() if "sgl-fair plugin on" in x]
     assert len(lines) == 1, out.stderr[-3000:]
     assert "TP0" in lines[0] and "vtc" in lines[0] and '"weights": {"a": 2}' in lines[0]
+
+
+def test_sglang_sets_the_disaggregation_mode_after_the_schedule_policy():
+    """Why the guard cannot read ``scheduler.disaggregation_mode``: it is not set yet."""
+    import inspect
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    init = inspect.getsource(Scheduler.__init__)
+    assert init.index("self.init_schedule_policy()") < init.index("self.init_disaggregation()")
+
+
+def test_a_prefill_disaggregated_server_refuses_the_plugin():
+    """In prefill mode every arrival would be recorded as aborted (SGLang queues them
+    elsewhere): the scheduler stops with one line naming the flag, at the plugin's install."""
+    out = run_scheduler_start(ON, disaggregation_mode="prefill")
+    assert out.returncode != 0 and "POLICY" not in out.stdout, out.stdout
+    assert "--disaggregation-mode prefill is not supported" in out.stderr, out.stderr[-3000:]
+    plain = run_scheduler_start(ON, disaggregation_mode="null")
+    assert "POLICY FairSchedulePolicy" in plain.stdout, plain.stderr[-3000:]

@@ -21,6 +21,7 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
+from sgl_fair.worker.sglang.profile import profile_path, register_profiler
 from sgl_fair.worker.sglang.settings import PluginSettings, settings_from_env
 
 log = logging.getLogger("sgl_fair.sglang")
@@ -46,6 +47,9 @@ def register() -> None:
     except ValueError as e:
         # SGLang catches Exception from plugins and goes on without them; SystemExit stops it.
         raise SystemExit(f"sgl-fair plugin: {e}") from None
+    profile = profile_path()
+    if profile is not None:  # times SGLang's admission, the plugin on or off (profile.py)
+        register_profiler(profile)
     if settings is None:
         return
     if _settings is not None:
@@ -67,11 +71,11 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
     """Replace ``scheduler.policy`` with our policy's ``FairSchedulePolicy``."""
     from sgl_fair.worker.sglang.adapter import FairSchedulePolicy
 
-    mode = getattr(scheduler, "disaggregation_mode", None)
-    if mode is not None and getattr(mode, "value", mode) not in ("null", None):
+    mode = disaggregation_mode(scheduler)
+    if mode != "null":
         raise SystemExit(
-            f"sgl-fair plugin: disaggregation mode {getattr(mode, 'value', mode)!r} is not "
-            "supported (the fair policy orders the prefill waiting queue of a plain server)"
+            f"sgl-fair plugin: --disaggregation-mode {mode} is not supported (the fair "
+            "policy orders the waiting queue of a plain server); start it without the plugin"
         )
     old = getattr(scheduler, "policy", None)
     if old is not None and hasattr(old, "detach"):
@@ -88,6 +92,24 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
         json.dumps(settings.opts, sort_keys=True),
     )
     return scheduler.policy
+
+
+def disaggregation_mode(scheduler: Any) -> str:
+    """The server's prefill/decode disaggregation mode (``"null"``: a plain server). SGLang
+    0.5.23's ``Scheduler.__init__`` runs ``init_schedule_policy`` (our install) before
+    ``init_disaggregation`` sets ``scheduler.disaggregation_mode``, so this reads the
+    process's published config (``get_disagg()``), as SGLang itself does at that point."""
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    if mode is None:
+        try:
+            from sglang.srt.runtime_context import get_disagg
+
+            mode = get_disagg().disaggregation_mode
+        except (ImportError, ValueError, AttributeError):  # no config published
+            args = getattr(scheduler, "server_args", None)
+            mode = getattr(args, "disaggregation_mode", None)
+    mode = getattr(mode, "value", mode)
+    return "null" if mode in (None, "null") else str(mode)
 
 
 def _fair(scheduler: Any) -> Any:
