@@ -56,13 +56,21 @@ per-worker deficits of 10,000 moved a client's follow-up calls off the worker ho
 prefix (611 of 3,330 dispatches in a ToT-S2 cell), losing locality (hit rate 0.82 vs 0.95)
 with no fairness gained. ``deficits="rounds", quantum=10_000`` is the paper's setting.
 
+**Bounded state** *(beyond the paper)*. A client's deficits are kept for the
+``max_clients`` (10,000) most recently active clients (dispatch or finish); past that the
+one idle longest is forgotten and, should it come back, starts as a new client (one quantum
+on every worker: at most one quantum per worker ahead of where it stood). Client ids come
+from a header without API keys, so without a bound anyone could grow this table. Exact
+forgetting cannot hold here: a client's deficits differ between workers after its first
+dispatch, and that difference is what keeps its next call off the worker it used.
+
 Options (``make_router_policy("d2lpm", ...)``): ``quantum`` (300,000.0, service units; may be
 ``float('inf')``), ``quanta`` (per-worker overrides of ``quantum``, ``{}``),
 ``extend_weight`` (``w_e``, 1.0), ``output_weight`` (``w_o``, 2.0), ``max_queue_ratio``
 (2.0; ``inf``: off), ``queue_slack`` (8 requests), ``deficits`` (``"sliding"``;
 ``"rounds"``: the paper's), ``load`` (``"requests"``: the paper's; ``"tokens"``),
 ``default_output_len`` (128.0: the expected output of a client with none finished yet, for
-``load="tokens"``).
+``load="tokens"``), ``max_clients`` (10,000: clients whose deficits are kept).
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ class D2LPM(BaseRouterPolicy):
         load: str = "requests"
         deficits: str = "sliding"
         default_output_len: float = 128.0
+        max_clients: int = 10_000
 
         def __post_init__(self) -> None:
             check_positive("d2lpm", quantum=self.quantum)
@@ -121,6 +130,9 @@ class D2LPM(BaseRouterPolicy):
                     "d2lpm: default_output_len must be finite and > 0 "
                     f"(got {self.default_output_len})"
                 )
+            if not (isinstance(self.max_clients, int) and self.max_clients >= 1):
+                raise ValueError(f"d2lpm: max_clients must be an integer >= 1 "
+                                 f"(got {self.max_clients!r})")  # fmt: skip
             for worker, q in self.quanta.items():
                 check_positive("d2lpm", **{f"quanta[{worker}]": q})
             for key in ("extend_weight", "output_weight"):
@@ -130,7 +142,9 @@ class D2LPM(BaseRouterPolicy):
 
     def __init__(self, config: Config | None = None) -> None:
         super().__init__(config)
-        self._deficits: dict[ClientId, dict[int, float]] = {}  # client -> worker -> D
+        # client -> worker -> D, least recently used first (``max_clients``)
+        self._deficits: dict[ClientId, dict[int, float]] = {}
+        self.num_forgotten = 0
         self._unbounded = {u for u, q in self.config.quanta.items() if q == math.inf}
         self._bounded = {u for u, q in self.config.quanta.items() if q != math.inf}
         self._work: OutstandingWork | None = None
@@ -139,6 +153,7 @@ class D2LPM(BaseRouterPolicy):
                 extend_weight=self.config.extend_weight,
                 output_weight=self.config.output_weight,
                 default_output_len=self.config.default_output_len,
+                max_clients=self.config.max_clients,
             )
 
     def quantum_of(self, worker: int) -> float:
@@ -156,9 +171,23 @@ class D2LPM(BaseRouterPolicy):
         unbounded = self._unbounded
         return [u for u in workers if d.get(u, 0.0) > 0 or u in unbounded]
 
+    def _touch(self, client: ClientId) -> dict[int, float]:
+        """``client``'s deficits, now the most recently used (least recently used forgotten
+        past ``max_clients``)."""
+        table = self._deficits
+        d = table.pop(client, None)
+        if d is None:
+            d = {}
+            if len(table) >= self.config.max_clients:
+                del table[next(iter(table))]
+                self.num_forgotten += 1
+        table[client] = d
+        return d
+
     def select(self, req: Request, match: GlobalMatch, view: RouterView) -> int:
         workers = view.workers
         client = req.client
+        self._touch(client)
         if self.config.deficits == "sliding":
             self._slide(workers, client)
         eligible = self._eligible(workers, client)
@@ -215,9 +244,7 @@ class D2LPM(BaseRouterPolicy):
             d[u] = (d[u] if u in d else top * q) + shift * q
 
     def _charge(self, worker: int, client: ClientId, service: float) -> None:
-        d = self._deficits.get(client)
-        if d is None:
-            d = self._deficits[client] = {}
+        d = self._touch(client)
         d[worker] = d.get(worker, 0.0) - service
 
     def on_dispatched(

@@ -8,8 +8,9 @@ one-line chats. This tracker prices each in-flight request at dispatch as
 — the same units as D2LPM's deficits — and removes exactly that price when the request
 finishes (ok or not) or its worker is removed. The expected output is the client's mean
 output length over its finished requests (``default_output_len`` before its first one),
-capped at the request's ``max_new_tokens``. Nothing here reads ``Request.output_len``,
-which a live router cannot know.
+capped at the request's ``max_new_tokens``; it is kept for the ``max_clients`` clients that
+finished most recently (a client dropped from it is priced as a new one). Nothing here reads
+``Request.output_len``, which a live router cannot know.
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ class OutstandingWork:
     """``of(worker)``: the weighted tokens dispatched to it and not yet reported finished."""
 
     def __init__(
-        self, *, extend_weight: float, output_weight: float, default_output_len: float
+        self,
+        *,
+        extend_weight: float,
+        output_weight: float,
+        default_output_len: float,
+        max_clients: int = 10_000,
     ) -> None:
+        self.max_clients = max_clients
         self.extend_weight = extend_weight
         self.output_weight = output_weight
         self.default_output_len = default_output_len
@@ -65,8 +72,10 @@ class OutstandingWork:
         elif entry is not None:  # re-dispatched elsewhere since: keep its newer entry
             self._inflight[msg.rid] = entry
         if msg.ok:
-            done, tokens = self._outputs.get(msg.client, (0, 0))
-            self._outputs[msg.client] = (done + 1, tokens + msg.num_output)
+            done, tokens = self._outputs.pop(msg.client, (0, 0))
+            self._outputs[msg.client] = (done + 1, tokens + msg.num_output)  # most recent last
+            if len(self._outputs) > self.max_clients:
+                del self._outputs[next(iter(self._outputs))]
 
     def worker_removed(self, worker: int) -> None:
         self._load.pop(worker, None)
