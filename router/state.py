@@ -83,7 +83,7 @@ class ServerState:
             max_tree_tokens=cfg.max_tree_tokens,
             oit=oit,
         )
-        telemetry = Telemetry()
+        telemetry = Telemetry(tenants=[t.name for t in tenants.tenants] if tenants else ())
         telemetry.watch_tree(router.tree)
         service = RouterService(
             router,

@@ -9,10 +9,18 @@ waiting-queue delay, interactions throttled, tokens wasted, users served / queue
 throttled. Per worker: the router's queue length and the worker's own gauges from its
 ``Load`` reports, and whether it is alive.
 One registry per server, so tests can run several in one process.
+
+Bounded label cardinality: without API keys a tenant is the client id a caller sends (a
+header), so anyone could mint label values. At most ``max_tenant_labels`` (1,000) distinct
+``tenant`` values get a label of their own, first come first served; later ones are counted
+under ``tenant="other"``. The tenants of a tenants file always get their own (they are
+registered first and do not count against the cap). ``app`` values are capped the same way
+(``MAX_APP_LABELS``, 64).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -28,6 +36,8 @@ from sgl_fair.messages import Load
 from sgl_fair.router.telemetry_interactions import InteractionMetrics
 
 MAX_APP_LABELS = 64  # distinct `app` label values of the throttling counter
+MAX_TENANT_LABELS = 1_000  # distinct `tenant` label values beyond a tenants file's tenants
+OTHER = "other"
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0,
@@ -37,8 +47,17 @@ _LATENCY_BUCKETS = (
 class Telemetry:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, *, output_weight: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        output_weight: float = 2.0,
+        max_tenant_labels: int = MAX_TENANT_LABELS,
+        tenants: Iterable[str] = (),
+    ) -> None:
         self.output_weight = output_weight
+        self.max_tenant_labels = max_tenant_labels
+        self._named_tenants = frozenset(tenants)  # a tenants file's: always labelled
+        self._tenants: set[str] = set()
         r = self.registry = CollectorRegistry()
         p = "sgl_fair_"
         self.requests = Counter(
@@ -151,7 +170,19 @@ class Telemetry:
         self._prompt = 0
         self._cached = 0
         # FairServe's measures by tenant and app (users, interactions, queueing)
-        self.interactions = InteractionMetrics(r, _LATENCY_BUCKETS, self.app_label, prefix=p)
+        self.interactions = InteractionMetrics(
+            r, _LATENCY_BUCKETS, self.app_label, prefix=p, tenant_label=self.tenant_label
+        )
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` as a label value: its own for a tenants file's tenants and the first
+        ``max_tenant_labels`` others, ``"other"`` past them (bounded label cardinality)."""
+        if tenant in self._named_tenants or tenant in self._tenants:
+            return tenant
+        if len(self._tenants) >= self.max_tenant_labels:
+            return OTHER
+        self._tenants.add(tenant)
+        return tenant
 
     def finished(
         self,
@@ -164,6 +195,7 @@ class Telemetry:
         ttft_s: float | None,
         e2e_s: float | None,
     ) -> None:
+        tenant = self.tenant_label(tenant)
         self.requests.labels(tenant, outcome).inc()
         self.input_tokens.labels(tenant).inc(input_len)
         self.cached_tokens.labels(tenant).inc(cached)
@@ -181,7 +213,7 @@ class Telemetry:
             self.cache_hit_rate.set(self._cached / self._prompt)
 
     def submitted(self, tenant: str, priority_class: str) -> None:
-        self.by_class.labels(tenant, priority_class).inc()
+        self.by_class.labels(self.tenant_label(tenant), priority_class).inc()
 
     def app_label(self, app: str | None) -> str:
         """``app`` as a label value. Apps come from clients: past ``MAX_APP_LABELS`` distinct
@@ -195,9 +227,11 @@ class Telemetry:
 
     def throttled(self, tenant: str, app: str | None, limit: str, where: str = "worker") -> None:
         """A request throttled by a worker's OIT or the router's (``where``)."""
-        self.throttled_total.labels(tenant, self.app_label(app), limit, where).inc()
+        label = self.tenant_label(tenant)
+        self.throttled_total.labels(label, self.app_label(app), limit, where).inc()
 
     def rejected(self, tenant: str, reason: str) -> None:
+        tenant = self.tenant_label(tenant)
         self.rejections.labels(tenant, reason).inc()
         self.requests.labels(tenant, "rejected").inc()
 

@@ -23,7 +23,7 @@ percentages are ratios of counters (PromQL in ``docs/operators.md``):
 A user is a request's client id (with auth on, bound to the API key's tenant). Memory is
 bounded: at most ``max_tracked`` users and as many interactions are remembered, the least
 recently seen forgotten first; one forgotten and seen again counts again. ``app`` labels are
-bounded by the caller (``Telemetry.app_label``).
+bounded by the caller (``Telemetry.app_label``), ``tenant`` labels too (``tenant_label``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class InteractionMetrics:
         prefix: str = "sgl_fair_",
         max_tracked: int = 100_000,
         queued_s: float = QUEUED_S,
+        tenant_label: Callable[[str], str] = str,
     ) -> None:
+        self.tenant_label = tenant_label  # bounded label values (``Telemetry.tenant_label``)
         if max_tracked < 1:
             raise ValueError(f"max_tracked must be >= 1 (got {max_tracked})")
         self.app_label = app_label
@@ -115,13 +117,13 @@ class InteractionMetrics:
         queue_s: float | None,
     ) -> None:
         """A call the worker answered (``tokens``: its prompt + output tokens)."""
-        label = self.app_label(app)
-        self.output_tokens.labels(tenant, label).inc(output_len)
+        tl, label = self.tenant_label(tenant), self.app_label(app)
+        self.output_tokens.labels(tl, label).inc(output_len)
         if ttft_s is not None:
-            self.ttft.labels(tenant, label).observe(ttft_s)
+            self.ttft.labels(tl, label).observe(ttft_s)
         flags = _SERVED
         if queue_s is not None:
-            self.queue_delay.labels(tenant, label).observe(queue_s)
+            self.queue_delay.labels(tl, label).observe(queue_s)
             if queue_s > self.queued_s:
                 flags |= _QUEUED
         self._user(tenant, label, user, flags)
@@ -129,21 +131,21 @@ class InteractionMetrics:
             it = self._interaction(tenant, interaction_id)
             it.tokens += tokens
             if it.throttled:
-                self.tokens_wasted.labels(tenant, label).inc(tokens)
+                self.tokens_wasted.labels(tl, label).inc(tokens)
 
     def throttled(self, tenant: str, app: str | None, user: str, interaction_id: str | None):
         """A call refused by an admission limit."""
-        label = self.app_label(app)
+        tl, label = self.tenant_label(tenant), self.app_label(app)
         self._user(tenant, label, user, _THROTTLED)
         if interaction_id is None:  # a call of its own: a whole interaction, nothing spent
-            self.interactions_throttled.labels(tenant, label).inc()
+            self.interactions_throttled.labels(tl, label).inc()
             return
         it = self._interaction(tenant, interaction_id)
         if not it.throttled:
             it.throttled = True
-            self.interactions_throttled.labels(tenant, label).inc()
+            self.interactions_throttled.labels(tl, label).inc()
             if it.tokens:
-                self.tokens_wasted.labels(tenant, label).inc(it.tokens)
+                self.tokens_wasted.labels(tl, label).inc(it.tokens)
 
     def seen(self, tenant: str, app: str | None, user: str) -> None:
         """A call that was neither answered nor throttled (refused for capacity, aborted)."""
@@ -153,6 +155,7 @@ class InteractionMetrics:
 
     def _user(self, tenant: str, app: str, user: str, flags: int) -> None:
         key = (tenant, app, user)
+        tenant = self.tenant_label(tenant)  # (the key keeps the tenant, the label may fold)
         had = self._users.get(key)
         if had is None:
             self.users.labels(tenant, app).inc()
