@@ -13,6 +13,7 @@ exactly (VTC with length prediction).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -71,7 +72,9 @@ class ProfiledQuadratic:
     with ``n_p`` input and ``n_q`` output tokens. ``h(n_p, 0)`` is charged at
     admission and ``h(n_p, end) - h(n_p, start)`` for output tokens
     ``[start, end)``, so the total for a finished request is exactly ``h``.
-    The defaults are the coefficients published for Llama-2-7B on A10G.
+    The defaults are the coefficients published for Llama-2-7B on A10G scaled ×10 and
+    rounded (``"profiled"``); ``profiled_spec()`` (``"profiled-spec"``) has them exactly as
+    SPEC §1 writes them.
     """
 
     a: float = 2.1
@@ -97,11 +100,33 @@ def event_service(cost: CostFunction, event: ServiceEvent) -> float:
     return cost.output_cost(input_len=event.input_len, start=event.start, end=event.end)
 
 
-COSTS: dict[str, type] = {
+# SPEC §1's profiled cost, from the VTC artifact (Llama-2-7B on A10G), as written there:
+# h(x, y) = 0.21001891x + 0.10075395y + 0.0039868xy + 0.00324733y² + 1.14601454
+SPEC_PROFILED = {
+    "a": 0.21001891,
+    "b": 0.10075395,
+    "c": 0.0039868,
+    "d": 0.00324733,
+    "e": 1.14601454,
+}
+
+
+def profiled_spec(**overrides: float) -> ProfiledQuadratic:
+    """The profiled quadratic with SPEC §1's coefficients exactly (``"profiled-spec"``)."""
+    return ProfiledQuadratic(**{**SPEC_PROFILED, **overrides})
+
+
+COSTS: dict[str, Callable[..., CostFunction]] = {
     "weighted": WeightedTokens,
     "prefix": PrefixAwareTokens,
-    "profiled": ProfiledQuadratic,
+    "profiled": ProfiledQuadratic,  # SPEC's coefficients x 10, rounded
+    "profiled-spec": profiled_spec,  # SPEC's coefficients as written
 }
+
+
+def resolve_cost(cost: CostFunction | str) -> CostFunction:
+    """A policy's ``cost`` option: a cost object, or one of ``COSTS`` by name."""
+    return make_cost(cost) if isinstance(cost, str) else cost
 
 
 def make_cost(name: str, **kwargs: float) -> CostFunction:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sgl_fair.cost import CostFunction, PrefixAwareTokens
+from sgl_fair.cost import CostFunction, PrefixAwareTokens, resolve_cost
 from sgl_fair.policies.base import (
     BasePolicy,
     Rejection,
@@ -56,6 +56,7 @@ class DLPM(BasePolicy):
         idle_clients: int = 10_000
 
         def __post_init__(self) -> None:
+            object.__setattr__(self, "cost", resolve_cost(self.cost))  # by name: cost.COSTS
             if not self.quantum > 0:
                 raise ValueError(f"dlpm: quantum must be > 0 (got {self.quantum})")
             bad = {c: w for c, w in self.weights.items() if not w > 0}

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sgl_fair.cost import CostFunction, WeightedTokens
+from sgl_fair.cost import CostFunction, WeightedTokens, resolve_cost
 from sgl_fair.policies.base import (
     BasePolicy,
     Rejection,
@@ -68,6 +68,7 @@ class VTC(BasePolicy):
         history_clients: int = 10_000
 
         def __post_init__(self) -> None:
+            object.__setattr__(self, "cost", resolve_cost(self.cost))  # by name: cost.COSTS
             if self.predict not in PREDICT_MODES:
                 raise ValueError(
                     f"vtc: predict must be one of {', '.join(PREDICT_MODES)} (got {self.predict!r})"
