@@ -54,11 +54,8 @@ KEEPALIVE_S = 3.0
 # at most (``send_call``).
 STALE_RETRIES = 2
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
-_CLOSED = tuple(  # ClientConnectionResetError: aiohttp >= 3.10
-    getattr(aiohttp, n)
-    for n in ("ServerDisconnectedError", "ClientConnectionResetError")
-    if hasattr(aiohttp, n)
-)
+# aiohttp's ClientConnectionResetError (>= 3.10) is a ConnectionResetError
+_CLOSED = (aiohttp.ServerDisconnectedError, ConnectionResetError, BrokenPipeError)
 
 
 async def _on_reuse(session: Any, ctx: SimpleNamespace, params: Any) -> None:
@@ -89,12 +86,20 @@ def open_session(
 
 def _stale_connection(e: BaseException) -> bool:
     """The error a call meets on a connection the server had closed: closed or reset before
-    the response head (a refused or timed-out connect is not one)."""
+    the response head, the request body's write included ("Can not write request body", its
+    cause a reset); a refused or timed-out connect is not one."""
     if isinstance(e, aiohttp.ClientConnectorError):
         return False
-    if isinstance(e, _CLOSED):
-        return True
-    return isinstance(e, aiohttp.ClientOSError) and e.errno in _STALE_ERRNOS
+    seen: BaseException | None = e
+    for _ in range(4):  # the error, then what caused it
+        if seen is None:
+            return False
+        if isinstance(seen, _CLOSED):
+            return True
+        if isinstance(seen, OSError) and seen.errno in _STALE_ERRNOS:
+            return True
+        seen = seen.__cause__
+    return False
 
 
 async def _post(

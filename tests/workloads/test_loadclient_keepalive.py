@@ -193,3 +193,22 @@ def test_a_fresh_connection_closed_by_the_server_is_not_retried():
         sock.close()
     assert len(reads) == 1
     assert getattr(rec, "retries", 0) == 0
+
+
+def test_which_errors_mean_a_stale_connection():
+    from sgl_fair.workloads.loadclient import _stale_connection
+
+    def caused(exc: BaseException, cause: BaseException) -> BaseException:
+        exc.__cause__ = cause
+        return exc
+
+    reset = ConnectionResetError("Cannot write to closing transport")
+    write = caused(aiohttp.ClientOSError(None, "Can not write request body for x"), reset)
+    assert _stale_connection(aiohttp.ServerDisconnectedError())
+    assert _stale_connection(aiohttp.ClientOSError(104, "Connection reset by peer"))
+    assert _stale_connection(write)  # seen live under CPU load (issue 31)
+    key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))
+    assert not _stale_connection(refused)  # a connect that failed: nothing was reused
+    assert not _stale_connection(aiohttp.ClientPayloadError("the response broke off"))
+    assert not _stale_connection(aiohttp.ClientOSError(None, "Can not write request body"))
