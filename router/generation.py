@@ -131,6 +131,7 @@ class Generation:
             interaction_id=self.sched.interaction_id,
             app=self.sched.app,
             stage=self.sched.stage,
+            system_len=self.sched.system_len,
         )
         self.call = self.state.service.submit(req, self.who.client)
         if not self.call.done.is_set():  # else the router's cluster OIT refused it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
@@ -21,6 +22,23 @@ from sgl_fair.router.generation import Generation
 from sgl_fair.router.generations import done_all, first_events, merged_updates, prepare, until_done
 from sgl_fair.router.http_io import JSON, read_json_body
 from sgl_fair.router.state import Identity, ServerState
+
+
+def with_system_len(item: Any, messages: list[dict[str, str]], tok: Any, headers: Any) -> Any:
+    """``item`` with FairServe's ``L_S`` set to its system (and developer) messages' tokens,
+    unless the body (``system_len``) or the ``X-System-Len`` header declares one (or it has
+    none)."""
+    hints = item.hints
+    if (hints is not None and hints.system_len is not None) or "x-system-len" in headers:
+        return item
+    n = sum(
+        len(tok.encode(m["content"], add_special_tokens=False))
+        for m in messages
+        if m["role"] in ("system", "developer")
+    )
+    if not n:
+        return item
+    return replace(item, hints=replace(hints if hints is not None else P.Hints(), system_len=n))
 
 
 def openai_routes(state: ServerState) -> list[Route]:
@@ -49,6 +67,7 @@ def openai_routes(state: ServerState) -> list[Route]:
         body = await read_json_body(request, state.cfg.max_body_bytes)
         req = P.parse_chat(body, state.limits, engine=state.cfg.backend)
         item = req.item_for(P.render_chat_prompt(req, tok))
+        item = with_system_len(item, req.messages, tok, request.headers)
         who, gens = prepare(state, request, [item], "messages", req.user, chat=True)
         created = int(time.time())
         cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -86,6 +86,9 @@ class Request:
     interaction_id: str | None = None
     app: str | None = None
     stage: int = 0
+    # FairServe's L_S: prompt tokens that are its system prompt (chat: the system messages';
+    # native: a declared length). None: the app's configured ``system_lens[app]``.
+    system_len: int | None = None
     # Set by a router running FairServe's cluster OIT over several workers when that OIT let
     # the call through: it judged the call over the whole cluster (every call of its
     # interaction, on any worker), so a worker's own OIT, which sees only the calls routed to

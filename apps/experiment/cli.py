@@ -210,6 +210,7 @@ def _progress_printer(name: str):
 def cmd_replay(args: argparse.Namespace) -> int:
     from sgl_fair import metrics
     from sgl_fair.cost import WeightedTokens
+    from sgl_fair.experiment.single import predictor_of
     from sgl_fair.policies import make_policy
     from sgl_fair.worker.scheduler import SchedulerConfig
     from sgl_fair.worker.sim.cost_model import CostModel
@@ -245,6 +246,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "kv_tokens": result.kv_capacity_tokens,
         "worker": cost_model.describe(),
     }
+    predictor = predictor_of(policy)
+    if predictor is not None:
+        row["predictor"] = predictor  # VTC's output-length predictor
     if args.json:
         print(json.dumps(row, indent=2))
     else:

@@ -65,13 +65,20 @@ def render_report(result: ExperimentResult, data: dict[str, Any]) -> str:
         f"- [{'x' if c.passed else ' '}] {c.text} — {c.detail}" for c in result.claims
     )
     mode = "quick" if result.quick else "full length"
+    predictors = ", ".join(
+        f"{run.spec.label}: `{run.row['predictor']}`"
+        for run in result.runs.values()
+        if "predictor" in run.row
+    )
+    if predictors:
+        predictors = f" Output-length predictor (VTC's `predict`): {predictors}."
     return f"""# {exp.name} — {exp.figure}
 
 {exp.description}
 
 Simulated {worker["gpu"]} + {worker["model"]} (tp={worker["tp"]}), KV pool
 {worker["kv_tokens"]} tokens, {result.duration_s:.0f} s of virtual time ({mode}), seed
-{result.seed}; service = {exp.cost}; {exp.window_s:.0f} s windows. Simulated in
+{result.seed}; service = {exp.cost}; {exp.window_s:.0f} s windows.{predictors} Simulated in
 {result.wall_s:.1f} s of wall time.
 
 ## Summary

@@ -145,7 +145,18 @@ def run_policy(
     row = {"policy": spec.label, **metrics.summarize(arrays, records, cost, window_s=window_s)}
     row["sim_speedup"] = round(result.speedup, 1)
     row["num_retractions"] = result.stats.num_retractions
+    predictor = predictor_of(policy)
+    if predictor is not None:
+        row["predictor"] = predictor
     return PolicyRun(spec, result, arrays, records, row)
+
+
+def predictor_of(policy: Any) -> str | None:
+    """The output-length predictor a policy charges with (VTC's ``predict``: ``none``,
+    ``predict`` — the paper's mean of the last 5 —, ``ema`` — the artifact's moving
+    average — or ``oracle``), named in the rows; None for a policy without one."""
+    predict = getattr(getattr(policy, "config", None), "predict", None)
+    return predict if isinstance(predict, str) else None
 
 
 def fresh_copy(requests: Sequence[Request]) -> list[Request]:

@@ -4,6 +4,11 @@ Each figure is a workload (client specs), the policies it compares and its claim
 ``single.run_experiment``. Setup as the paper's: Llama-2-7B on one A10G with a 10,000-token
 KV pool, service = input + 2 × output tokens, 60 s windows. ``EXPERIMENTS`` is the registry
 ``python -m sgl_fair.experiment`` lists and runs.
+
+Length prediction: VTC and LCF run with ``predict="none"`` (the paper's §5.2 figures charge
+output as it is produced), named explicitly below; each row and report names the predictor
+(``predictor``: ``none``, the paper's ``predict`` — the mean of the last 5 outputs —, the
+artifact's ``ema`` — ``pred ← (4·pred + actual)/5``, first request 0 — or ``oracle``).
 """
 
 from __future__ import annotations
@@ -284,7 +289,12 @@ def _weighted_claims(exp, runs, dur):
     return out
 
 
-_BASE = (PolicySpec("FCFS", "fcfs"), PolicySpec("LCF", "lcf"), PolicySpec("VTC", "vtc"))
+_NO_PREDICTION = {"predict": "none"}
+_BASE = (
+    PolicySpec("FCFS", "fcfs"),
+    PolicySpec("LCF", "lcf", _NO_PREDICTION),
+    PolicySpec("VTC", "vtc", _NO_PREDICTION),
+)
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
@@ -368,7 +378,10 @@ EXPERIMENTS: dict[str, Experiment] = {
             _weighted_clients,
             600,
             180,
-            (PolicySpec("VTC", "vtc"), PolicySpec("VTC-weighted", "vtc", weighted=True)),
+            (
+                PolicySpec("VTC", "vtc", _NO_PREDICTION),
+                PolicySpec("VTC-weighted", "vtc", _NO_PREDICTION, weighted=True),
+            ),
             _weighted_claims,
         ),
     )

@@ -1,6 +1,6 @@
 """Scheduling fields of a generation request: the service class (BROS's RT / BE) with its
 SLOs, and the interaction a call belongs to (FairServe's ``interaction_id``, ``app``,
-``stage``).
+``stage``, and ``system_len``: the prompt's system-prompt tokens, FairServe's ``L_S``).
 
 Where each comes from, first found wins (``docs/fairserve.md``):
 
@@ -13,7 +13,10 @@ Where each comes from, first found wins (``docs/fairserve.md``):
 * interaction: the body's ``interaction_id`` / ``app`` / ``stage``, else the
   ``X-Interaction-Id`` / ``X-App`` / ``X-Stage`` headers. With API keys the interaction id
   is namespaced by the authenticated tenant (``"tenant/id"``), so a caller can neither
-  join nor claim another tenant's interaction.
+  join nor claim another tenant's interaction;
+* ``system_len``: the body's, else the ``X-System-Len`` header (a declared system-prefix
+  length); a chat request without one counts its system messages' tokens (the OpenAI
+  route); none: the worker uses the app's configured length.
 
 :func:`parse_hints` reads the body fields (a 400 naming the field); :func:`resolve`
 merges the headers (a 400 naming the header), the priority mapping and the tenant's
@@ -41,6 +44,7 @@ PRIORITY_CLASSES = tuple(c.value for c in ServiceClass)  # ("rt", "be")
 MAX_INTERACTION_ID_LEN = 256
 MAX_APP_LEN = 128
 MAX_STAGE = 100_000
+MAX_SYSTEM_LEN = 10_000_000
 
 # body field -> header (lower-case) giving the same value
 HEADERS = {
@@ -48,6 +52,7 @@ HEADERS = {
     "interaction_id": "x-interaction-id",
     "app": "x-app",
     "stage": "x-stage",
+    "system_len": "x-system-len",
 }
 # how each header is spelled in messages
 _HEADER_NAMES = {
@@ -55,9 +60,10 @@ _HEADER_NAMES = {
     "x-interaction-id": "X-Interaction-Id",
     "x-app": "X-App",
     "x-stage": "X-Stage",
+    "x-system-len": "X-System-Len",
 }
 SCHEDULING_FIELDS = frozenset(
-    {"priority_class", "ttft_slo_s", "tpot_slo_s", "interaction_id", "app", "stage"}
+    {"priority_class", "ttft_slo_s", "tpot_slo_s", "interaction_id", "app", "stage", "system_len"}
 )
 
 
@@ -71,6 +77,7 @@ class Hints:
     interaction_id: str | None = None
     app: str | None = None
     stage: int | None = None
+    system_len: int | None = None
     priority: int | None = None  # SGLang's own field
 
 
@@ -84,6 +91,7 @@ class Scheduling:
     interaction_id: str | None = None
     app: str | None = None
     stage: int = 0
+    system_len: int | None = None
 
     @property
     def priority_class(self) -> str:
@@ -116,6 +124,7 @@ _CHECKS = {
     "interaction_id": lambda v, p: _label(v, p, MAX_INTERACTION_ID_LEN),
     "app": lambda v, p: _label(v, p, MAX_APP_LEN),
     "stage": lambda v, p: _int(v, p, 0, MAX_STAGE),
+    "system_len": lambda v, p: _int(v, p, 0, MAX_SYSTEM_LEN),
 }
 
 
@@ -142,10 +151,11 @@ def _from_header(headers: Mapping[str, str], key: str) -> Any:
     shown = _HEADER_NAMES[name]
     raw = raw.strip()
     try:
-        if key == "stage":
-            if not re.fullmatch(r"[0-9]{1,7}", raw):
-                raise _bad(f"{shown} header", f"an integer in [0, {MAX_STAGE}]", raw)
-            return _int(int(raw), f"{shown} header", 0, MAX_STAGE)
+        if key in ("stage", "system_len"):
+            top = MAX_STAGE if key == "stage" else MAX_SYSTEM_LEN
+            if not re.fullmatch(r"[0-9]{1,8}", raw):
+                raise _bad(f"{shown} header", f"an integer in [0, {top}]", raw)
+            return _int(int(raw), f"{shown} header", 0, top)
         return _CHECKS[key](raw, f"{shown} header")
     except ProtocolError as e:
         e.param = shown  # the header's name, as a body field's error names the field
@@ -184,6 +194,9 @@ def resolve(
         iid = f"{namespace}/{iid}"
     app = hints.app if hints.app is not None else _from_header(headers, "app")
     stage = hints.stage if hints.stage is not None else _from_header(headers, "stage")
+    system_len = hints.system_len
+    if system_len is None:
+        system_len = _from_header(headers, "system_len")
     return Scheduling(
         service_class=ServiceClass(cls),
         ttft_slo_s=DEFAULT_TTFT_SLO_S if hints.ttft_slo_s is None else hints.ttft_slo_s,
@@ -191,6 +204,7 @@ def resolve(
         interaction_id=iid,
         app=app,
         stage=0 if stage is None else stage,
+        system_len=system_len,
     )
 
 

@@ -5,7 +5,9 @@ with VTC's lift. A call of stage ``j`` of app ``a`` costs
 
     E_i · (α·L_I + β·L_S + γ·L_O) / w(a, j)        α=1, β=2, γ=1 by default
 
-``L_S`` the app's system-prompt tokens (``system_lens[app]``, capped at the input), ``L_I``
+``L_S`` the request's system-prompt tokens (``Request.system_len``: over HTTP, a chat's
+system messages or a declared ``system_len``; else the app's ``system_lens[app]``; capped at
+the input), ``L_I``
 the rest of the input, ``L_O`` the output, ``E_i`` the user's priority factor (``priority``;
 larger = *less* service). ``w(a, j)`` is the expected ``α·L_I + β·L_S + γ·L_O`` of that app
 stage: a running mean over finished calls *(learned online: beyond the paper)*, seeded from
@@ -173,7 +175,9 @@ class FairServe(BasePolicy):
 
     def raw_cost(self, req: Request, output_len: float) -> float:
         cfg = self.config
-        system = min(cfg.system_lens.get(req.app or "", 0), req.input_len)
+        declared = req.system_len
+        system = cfg.system_lens.get(req.app or "", 0) if declared is None else declared
+        system = min(system, req.input_len)
         return cfg.alpha * (req.input_len - system) + cfg.beta * system + cfg.gamma * output_len
 
     def stage_weight(self, req: Request) -> float | None:

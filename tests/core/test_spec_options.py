@@ -79,3 +79,15 @@ def test_the_profiled_cost_with_specs_coefficients_as_written() -> None:
     assert make_cost("profiled").h(x, y) == pytest.approx(10 * h, rel=0.02)  # rounded, x10
     assert make_policy("vtc", cost="profiled-spec").config.cost == spec
     assert make_policy("dlpm", cost="profiled-spec").config.cost == spec
+
+
+def test_fairserve_takes_l_s_from_the_request_before_the_apps_configured_length() -> None:
+    p = make_policy("fairserve", system_lens={"chat": 4}, stage_weights={"chat": 1.0})
+    r = Request("r", "u", (1,) * 10, 5, 0.0, app="chat")
+    assert p.raw_cost(r, 5) == 1 * 6 + 2 * 4 + 5  # the app's configured L_S = 4
+    r.system_len = 7  # a chat's system messages, or a declared system-prefix length
+    assert p.raw_cost(r, 5) == 1 * 3 + 2 * 7 + 5
+    r.system_len = 50  # capped at the input
+    assert p.raw_cost(r, 5) == 2 * 10 + 5
+    r.system_len = 0  # declared: no system prompt, whatever the app's default
+    assert p.raw_cost(r, 5) == 10 + 5
