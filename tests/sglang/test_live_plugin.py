@@ -1,0 +1,131 @@
+"""The plugin inside a real SGLang 0.5.23 server on this CPU (tiny random Llama).
+
+Each test starts ``sglang.launch_server`` with the plugin's environment (as the launcher sets
+it) and talks to it over HTTP, SGLang's own API: the plugin loads through the
+``sglang.srt.plugins`` entry point in the spawned scheduler process and decides SGLang's real
+admission. Nothing here is a stand-in: the batches, results, aborts and retractions the plugin
+accounts for are SGLang's.
+
+The flood workload: ``flood`` sends 12 long requests at once, ``victim`` 3 short ones a moment
+later, with ``--max-running-requests 2`` so the queue decides who runs. SGLang's own policy
+serves the flood's backlog first; a fair plugin puts the victim next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import live_rig
+import pytest
+
+from sgl_fair.worker.sglang.settings import PluginSettings
+
+pytestmark = [pytest.mark.sglang_server, pytest.mark.slow]
+
+QUEUE_ARGS = ("--max-running-requests", "2", "--chunked-prefill-size", "512")
+
+
+def _server(tiny_model, tmp_path, policy: str | None, opts=None, args=QUEUE_ARGS, extra_env=None):
+    env = live_rig.server_env(
+        extra=(PluginSettings(policy, opts or {}).env() if policy else {}) | (extra_env or {})
+    )
+    return live_rig.SGLangServer(
+        tiny_model, tmp_path / f"sglang-{policy or 'plain'}.log", args=args, env=env
+    )
+
+
+async def _generate(http, url, client, n_out, *, rid=None, priority=None, prompt="Once upon"):
+    body = {
+        "text": f"{prompt} {client} {rid or ''}",
+        "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0},
+        "routing_key": client,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if priority is not None:
+        body["priority"] = priority
+    r = await http.post(url + "/generate", json=body, timeout=300)
+    return client, time.monotonic(), r
+
+
+async def _flood_then_victim(url: str, *, victim_priority=None, flood_priority=None):
+    """Finish times in order: [(client, t)], for 12 flood requests then 3 victim ones."""
+    async with httpx.AsyncClient() as http:
+        flood = [
+            asyncio.create_task(_generate(http, url, "flood", 32, priority=flood_priority))
+            for _ in range(12)
+        ]
+        await asyncio.sleep(0.5)
+        victim = [
+            asyncio.create_task(_generate(http, url, "victim", 8, priority=victim_priority))
+            for _ in range(3)
+        ]
+        done = await asyncio.gather(*flood, *victim)
+    for _, _, r in done:
+        assert r.status_code == 200, r.text
+    return sorted(((c, t) for c, t, _ in done), key=lambda x: x[1])
+
+
+def _flood_done_before_victim(order) -> int:
+    """How many flood requests finished before the victim's last one."""
+    last = max(i for i, (c, _) in enumerate(order) if c == "victim")
+    return sum(1 for c, _ in order[:last] if c == "flood")
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, tmp_path_factory):
+    """SGLang's own scheduling under the flood (no plugin): the victim waits for the backlog.
+    The same plain server then stands for a ``--worker-url`` server started without the
+    plugin (test_live_launch)."""
+    with _server(tiny_model, tmp_path_factory.mktemp("plain"), None) as server:
+        order = asyncio.run(_flood_then_victim(server.url))
+        yield server, _flood_done_before_victim(order)
+
+
+def test_sglang_alone_serves_the_flood_first(baseline):
+    _, flood_first = baseline
+    assert flood_first >= 9, flood_first  # the workload discriminates
+
+
+@pytest.mark.parametrize(
+    ("policy", "opts"), [("vtc", {}), ("dlpm", {"quantum": 32})], ids=["vtc", "dlpm"]
+)
+def test_fair_plugin_decides_sglang_admission(tiny_model, tmp_path, baseline, policy, opts):
+    with _server(tiny_model, tmp_path, policy, opts) as server:
+        order = asyncio.run(_flood_then_victim(server.url))
+        log = server.log_path.read_text(errors="replace")
+    flood_first = _flood_done_before_victim(order)
+    assert flood_first <= 4, (flood_first, baseline[1])
+    assert flood_first < baseline[1]
+    assert f"sgl-fair plugin on: local policy {policy}" in log  # in SGLang's own log
+
+
+def test_rpm_rejects_with_429_inside_sglang(tiny_model, tmp_path):
+    with _server(tiny_model, tmp_path, "rpm", {"limit": 3, "window_s": 60}) as server:
+        codes = [
+            httpx.post(
+                server.url + "/generate",
+                json={"text": f"hello {i}", "sampling_params": {"max_new_tokens": 2},
+                      "routing_key": "alice"},
+                timeout=60,
+            )
+            for i in range(4)
+        ]  # fmt: skip
+        other = httpx.post(
+            server.url + "/generate",
+            json={"text": "hi", "sampling_params": {"max_new_tokens": 2}, "routing_key": "bob"},
+            timeout=60,
+        )
+    assert [r.status_code for r in codes[:3]] == [200, 200, 200]
+    assert codes[3].status_code == 429, codes[3].text
+    assert "rejected by the fair scheduler" in codes[3].text
+    assert other.status_code == 200  # the limit is per client
+
+
+def test_bros_runs_rt_before_a_be_backlog(tiny_model, tmp_path):
+    args = (*QUEUE_ARGS, "--enable-priority-scheduling", "--retraction-policy", "priority")
+    with _server(tiny_model, tmp_path, "bros", {"inner": "vtc"}, args=args) as server:
+        order = asyncio.run(_flood_then_victim(server.url, victim_priority=100, flood_priority=0))
+    assert _flood_done_before_victim(order) <= 4
