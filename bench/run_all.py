@@ -16,6 +16,7 @@ import bench_fairserve  # noqa: E402
 import bench_flood  # noqa: E402
 import bench_live  # noqa: E402
 import bench_live_cell  # noqa: E402
+import bench_liveness  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
@@ -56,6 +57,7 @@ def main() -> None:
         "live": bench_live.main(),
         "live_cell": bench_live_cell.main([]),
         "flood": bench_flood.main([]),
+        "liveness": bench_liveness.main([]),
         "sglang_adapter": bench_sglang_adapter.main(),
         "sglang_adapter_unified": bench_sglang_adapter.main(
             ["--waiting", "1000", "--cases", "plugin:dlpm,plugin-exact:dlpm", "--cache", "unified"]

@@ -19,17 +19,15 @@ raised after a retraction). Allocation is check-then-commit: tokens a step needs
 are allocated in ``step`` so ``apply`` never fails.
 
 Batch selection (seam #1b): a policy with ``select_batch(candidates, view, cost)`` chooses
-the iteration's running set itself from waiting + running (BROS). The scheduler then
-decodes the chosen running requests, admits the chosen waiting ones in the returned order
-under the same memory/budget rules (one mixed batch), and leaves unchosen running requests
-paused with their KV. ``cost`` is the iteration cost model the scheduler was given
-(``IterationCost``, e.g. the simulator's ``CostModel.step_time``). Policies without the
-method take the path above, unchanged.
+the iteration's running set from waiting + running (BROS; ``select_step.py``), priced by
+the iteration cost model ``cost`` (``IterationCost``). Liveness — never idle with work —
+is ``scheduler_liveness.py``'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.radix import MatchMemo
@@ -39,6 +37,7 @@ from sgl_fair.worker import share_guard
 from sgl_fair.worker.engine import Batch, PrefillChunk, StepResult
 from sgl_fair.worker.kv.base import OutOfMemory
 from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
+from sgl_fair.worker.scheduler_liveness import continue_chunked, unjam
 from sgl_fair.worker.scheduler_state import (  # re-exported: their home for callers
     RunLog,
     SchedulerConfig,
@@ -100,6 +99,7 @@ class Scheduler(SchedulerViewMixin):
         self._blocked_decode_steps = 0
         # Requests whose prefill is in the batch between step() and apply().
         self._in_batch: tuple[Request, ...] = ()
+        self._restored_tokens = 0  # KV a continued chunk got back from host, this step
 
     # ------------------------------------------------------------ arrivals
 
@@ -193,8 +193,18 @@ class Scheduler(SchedulerViewMixin):
     # ------------------------------------------------------------ step
 
     def step(self, now: float) -> Batch | None:
-        """The next batch to run, or None when there is nothing to do."""
+        """The next batch to run, or None when there is nothing to do (never while there is
+        work: ``scheduler_liveness.unjam``)."""
         self._now = now
+        batch = self._next_batch()
+        if batch is None and self.has_work():
+            batch = unjam(self, self._next_batch)
+        if batch is not None and self._restored_tokens:
+            batch = replace(batch, swap_in_tokens=batch.swap_in_tokens + self._restored_tokens)
+            self._restored_tokens = 0
+        return batch
+
+    def _next_batch(self) -> Batch | None:
         self.kv.unpin_all()  # what the last step prefilled may be overwritten again
         select = getattr(self.policy, "select_batch", None)
         if select is not None:
@@ -213,6 +223,8 @@ class Scheduler(SchedulerViewMixin):
             swap_in = 0
             if self._checkpointing:  # bidirectional blocks: restore paused BE KV first
                 decode, swap_in = decode_restoring(self)
+                if not decode:  # nothing could grow, all retracted: try admitting
+                    return None
             else:
                 decode = self.running
                 done = self.kv.allocate_each(decode)
@@ -248,7 +260,7 @@ class Scheduler(SchedulerViewMixin):
         # KV promised to requests of this batch but not allocated yet (their future output).
         promised = 0
         if self.chunked is not None:
-            chunk = self._continue_chunked(budget)
+            chunk = continue_chunked(self, budget)
             if chunk is None:
                 return None
             chunks.append(chunk)
@@ -274,21 +286,6 @@ class Scheduler(SchedulerViewMixin):
         if self._checkpointing:  # an RT admitted after a BE one may have overwritten its slots
             _, swap_in = restore_checkpointed(self, [], chunks, allocated=True)
         return Batch(prefill=tuple(chunks), swap_in_tokens=swap_in or 0, kv_copies=self._copies())
-
-    def _continue_chunked(self, budget: int) -> PrefillChunk | None:
-        req = self.chunked
-        assert req is not None
-        remaining = req.seq_len - req.num_computed
-        n = min(remaining, budget)
-        last = n == remaining
-        alloc = n + 1 if last else n
-        if not self.kv.can_allocate(req, alloc):
-            return None
-        self.kv.allocate(req, alloc)
-        self.kv.pin(req)
-        if last:
-            self.chunked = None
-        return PrefillChunk(req, req.num_computed, n, last)
 
     def _admit(
         self,
@@ -396,7 +393,7 @@ class Scheduler(SchedulerViewMixin):
         decoded = sum(r.num_output for r in self.running)
         estimate = (decoded + steps * len(self.running)) / max(total_max_new, 1)
         self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
-        if self.kv.available_tokens() < len(self.running):
+        if not self._checkpointing and self.kv.available_tokens() < len(self.running):
             raise MemoryError("KV pool too small for a single running request")
 
     def _victim(self, pool: Sequence[Request] | None = None) -> Request:
@@ -416,7 +413,10 @@ class Scheduler(SchedulerViewMixin):
         return min(pool, key=lambda r: (r.num_output, -r.input_len, -r.seq))
 
     def _retract(self, req: Request) -> None:
-        self.running.remove(req)
+        if req is self.chunked:  # only as a last resort (scheduler_liveness.unjam)
+            self.chunked = None
+        else:
+            self.running.remove(req)
         self.kv.release(req, self._handles.pop(req))
         req.phase = Phase.WAITING
         req.num_computed = 0

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from sgl_fair.request import Phase, Request, ServiceClass
 from sgl_fair.worker.engine import Batch, PrefillChunk
 from sgl_fair.worker.kv.base import OutOfMemory
+from sgl_fair.worker.scheduler_liveness import continue_chunked
 
 if TYPE_CHECKING:
     from sgl_fair.worker.scheduler import Scheduler
@@ -41,7 +42,7 @@ def step_selected(sched: Scheduler, select: Callable) -> Batch | None:
     cfg = sched.config
     budget, chunks, promised = cfg.chunked_prefill_size, [], 0
     if sched.chunked is not None:
-        chunk = sched._continue_chunked(budget)
+        chunk = continue_chunked(sched, budget)
         if chunk is not None:
             chunks.append(chunk)
             budget -= chunk.num_tokens
@@ -86,15 +87,13 @@ def decode_restoring(sched: Scheduler) -> tuple[list[Request], int]:
     next slot does not fit sits the step out (keeping its KV); one this step's RT growth
     overwrote and that cannot come back is retracted. If no request can run, requests are
     retracted (``Scheduler._victim``) until one can. Returns the decoding
-    requests and the tokens swapped in."""
+    requests and the tokens swapped in; none when even the last could not (it is retracted
+    too: ``scheduler_liveness.unjam`` then frees the cache and admits afresh)."""
     while True:
         decode, swap_in = _grow_restored(sched, list(sched.running))
-        if decode:
+        if decode or not sched.running:
             return decode, swap_in or 0
-        if len(sched.running) <= 1:
-            raise MemoryError("KV pool too small to restore or grow a single running request")
-        pool = sched.running
-        sched._retract(sched._victim(pool))
+        sched._retract(sched._victim(sched.running))
 
 
 def _grow_restored(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int | None]:
@@ -213,9 +212,9 @@ def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
         sched._retract(victim)
         if victim in decode:
             decode.remove(victim)
-    if sched.kv.available_tokens() < len(decode):
+    if not sched._checkpointing and sched.kv.available_tokens() < len(decode):
         raise MemoryError("KV pool too small for a single running request")
-    return decode
+    return decode  # blocks: one may grow in its own block (``_grow`` asks each)
 
 
 def _make_room(

@@ -277,6 +277,15 @@ class PrefixKVCache:
         if fn is not None:
             fn(owner)
 
+    def evict_all(self) -> int:
+        """Evict every unlocked cached prefix (reported and counted as evictions, unlike
+        ``flush``); returns the tokens freed. The scheduler's last resort when block
+        fragmentation around cached prefixes keeps a waiting request out (issue 31)."""
+        before = self.num_evicted_tokens
+        if self.tree.evictable_tokens:
+            self._evict(self.tree.evictable_tokens)
+        return self.num_evicted_tokens - before
+
     def _evict(self, num_tokens: int) -> None:
         slots: list[int] | None = [] if self.exact else None
         blocks = self.tree.evict(num_tokens, slots=slots)
