@@ -62,6 +62,7 @@ def unjam(sched: Scheduler, next_batch: Callable[[], Batch | None]) -> Batch | N
     """``next_batch`` found nothing to run while ``sched`` has work: evict the cache, then
     retract KV holders one by one, trying again after each (module docstring)."""
     kv = sched.kv
+    sched.stats.num_unjams += 1
     kv.evict_all()
     while True:
         sched._admission_blocked = False

@@ -70,6 +70,7 @@ class SchedulerStats:
     num_decode_steps: int = 0
     num_retractions: int = 0
     num_share_retractions: int = 0  # retractions by the share guard's admission rule
+    num_unjams: int = 0  # steps that found nothing to run with work here (scheduler_liveness)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
