@@ -7,7 +7,7 @@ SGL_STAMP := $(VENV)/.sglang-cpu
 SGL_REQ := requirements/sglang-cpu.txt
 SGL_CONSTRAINTS := requirements/sglang-cpu-constraints.txt
 
-.PHONY: setup sglang-cpu test demo demo-bros bench lint clean
+.PHONY: setup sglang-cpu test demo demo-bros demo-sglang bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,14 @@ demo: $(STAMP)
 
 demo-bros: $(STAMP)
 	$(BIN)/python -m sgl_fair.demo bros
+
+# The fairness demo on a real SGLang server on this CPU: a tiny random Llama, and the CPU test
+# shim (tests/sglang/cpu_shim: torchvision stub, one vLLM rotary op) on the servers' path.
+TINY_MODEL := runs/tiny-llama
+demo-sglang: $(STAMP) $(SGL_STAMP)
+	$(BIN)/python tests/sglang/live_rig.py $(TINY_MODEL)
+	PYTHONPATH=tests/sglang/cpu_shim:tests/sglang SGLANG_CPU_OMP_THREADS_BIND=0 OMP_NUM_THREADS=1 \
+		$(BIN)/python -m sgl_fair.demo sglang --cpu --model-path $(TINY_MODEL)
 
 bench: $(STAMP) $(SGL_STAMP)
 	$(BIN)/python bench/run_all.py

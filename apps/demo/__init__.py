@@ -8,7 +8,9 @@
    P50/P99; throughput and Jain's index; then the server shuts down.
 
 ``python -m sgl_fair.demo bros`` (``make demo-bros``) is the second demo: real-time chat
-beside a best-effort batch job, FCFS vs BROS (``demo/bros.py``).
+beside a best-effort batch job, FCFS vs BROS (``demo/bros.py``). ``python -m sgl_fair.demo
+sglang`` (``make demo-sglang``) is the third: a flooding tenant beside a well-behaved one on a
+real SGLang server, ``fcfs`` vs ``vtc`` vs ``dlpm`` (``demo/sglang_flood.py``).
 
 Flags: ``--duration S``, ``--dp N``, ``--router-policy``/``--schedule-policy`` (compare e.g.
 ``--router-policy rr --schedule-policy lpm``), ``--gpu``, ``--model``, ``--rate-scale``,
@@ -41,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sgl_fair.demo.bros import main as bros_main
 
         return bros_main(argv[1:])
+    if argv[:1] == ["sglang"]:  # make demo-sglang: a flood on a real SGLang server (sglang_flood)
+        from sgl_fair.demo.sglang_flood import main as sglang_main
+
+        return sglang_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m sgl_fair.demo", description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--dp", type=int, default=4)

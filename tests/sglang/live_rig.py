@@ -210,3 +210,7 @@ class SGLangServer:
 def sglang_server(model: Path, log_path: Path, **kw) -> Iterator[SGLangServer]:
     with SGLangServer(model, log_path, **kw) as server:
         yield server
+
+
+if __name__ == "__main__":  # make demo-sglang: write the tiny model into the folder given
+    print(write_tiny_llama(Path(sys.argv[1])))
