@@ -121,7 +121,7 @@ def test_run_cluster_experiment_end_to_end(tmp_path):
     )  # fmt: skip
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
-    assert len(data["rows"]) == 5 and all(r["dp"] == 2 for r in data["rows"])
+    assert len(data["rows"]) == 6 and all(r["dp"] == 2 for r in data["rows"])  # D2LPM twice
     assert {r["gpu"] for r in data["rows"]} == {"A10G-24GB"}
     assert data["claims"] and (out / "grid.png").stat().st_size > 0
     assert "## Claims" in (out / "report.md").read_text()
