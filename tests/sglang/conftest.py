@@ -31,6 +31,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``make test`` (``SGLFAIR_REQUIRE_SGLANG=1``) a test that starts a real SGLang
+    server is never skipped: a skip (a missing package, an importorskip) is a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.skipped
+        and item.get_closest_marker("sglang_server") is not None
+        and os.environ.get("SGLFAIR_REQUIRE_SGLANG") == "1"
+    ):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"sglang_server test skipped under SGLFAIR_REQUIRE_SGLANG=1: {report.longrepr}"
+        )
+
+
 @pytest.fixture(scope="module")
 def plugin_hooks():
     """The plugin's hooks, applied once per process (as SGLang's load_plugins() does), for

@@ -14,6 +14,7 @@ serves the flood's backlog first; a fair plugin puts the victim next.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -103,7 +104,11 @@ def test_fair_plugin_decides_sglang_admission(tiny_model, tmp_path, baseline, po
 
 
 def test_rpm_rejects_with_429_inside_sglang(tiny_model, tmp_path):
-    with _server(tiny_model, tmp_path, "rpm", {"limit": 3, "window_s": 60}) as server:
+    """Also: ``SGLFAIR_PROFILE_ADMISSION`` times the scheduler's admission in the server."""
+    prof = tmp_path / "admission"
+    env = {"SGLFAIR_PROFILE_ADMISSION": str(prof)}
+    rpm = {"limit": 3, "window_s": 60}
+    with _server(tiny_model, tmp_path, "rpm", rpm, extra_env=env) as server:
         codes = [
             httpx.post(
                 server.url + "/generate",
@@ -122,6 +127,13 @@ def test_rpm_rejects_with_429_inside_sglang(tiny_model, tmp_path):
     assert codes[3].status_code == 429, codes[3].text
     assert "rejected by the fair scheduler" in codes[3].text
     assert other.status_code == 200  # the limit is per client
+    records = [
+        json.loads(line)
+        for f in tmp_path.glob("admission.*")
+        for line in f.read_text().splitlines()
+    ]
+    admitted = [r for r in records if r["admitted"] > 0]
+    assert len(admitted) >= 4 and all(0 < r["s"] < 10 for r in admitted), records
 
 
 def test_bros_runs_rt_before_a_be_backlog(tiny_model, tmp_path):
