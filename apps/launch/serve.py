@@ -8,9 +8,11 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sgl_fair.config import load_tenants
@@ -234,6 +236,22 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
     procs = ProcessGroup()
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            """uvicorn's, less its re-raise of the captured signal after the graceful
+            shutdown: a re-raised SIGTERM killed the launcher (status 143) before its
+            clean-up (the socket folder) ran. SIGTERM now ends it as Ctrl-C does."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
