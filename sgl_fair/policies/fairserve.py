@@ -341,10 +341,11 @@ class FairServe(BasePolicy):
     def on_finished(self, req: Request) -> None:
         """Settle: the call's true cost replaces whatever was charged for it (Alg. 1 l.43-48)."""
         entry = self._charged.pop(id(req), None)
-        if entry is None:
-            return  # never admitted: nothing to settle
-        charged, w, pending = entry
-        self._floors.settled_call(req.client, pending)
+        if entry is None:  # never seen admitted (a host's own bookkeeping): charge it all
+            charged, w = 0.0, None
+        else:
+            charged, w, pending = entry
+            self._floors.settled_call(req.client, pending)
         self._set(
             req.client, self.counter(req.client) + self.service(req, req.num_output, w) - charged
         )
