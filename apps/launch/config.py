@@ -67,6 +67,7 @@ class LaunchConfig:
     worker_urls: tuple[str, ...] = ()  # servers already running (else the launcher starts dp)
     worker_kv_endpoints: tuple[str, ...] = ()
     sglang_args: tuple[str, ...] = ()  # passed through to every server the launcher starts
+    worker_api_key: str | None = None  # the servers' --api-key (Bearer on every bridge call)
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 30.0
     # SGLang's integer `priority` sets a request's class when it names none: >= N is RT
@@ -239,6 +240,9 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         and (backend != "sglang")
     ):
         bad("--schedule-low-priority-values-first needs --rt-priority-threshold")
+    worker_api_key = a.worker_api_key or os.environ.get("SGLFAIR_WORKER_API_KEY") or None
+    if a.worker_api_key is not None and backend != "sglang":
+        bad("--worker-api-key: only with --backend sglang (the SGLang servers' --api-key)")
     # SGLang's own flag: the servers the launcher starts get it too
     low_first_passthrough = (
         a.schedule_low_priority_values_first and backend == "sglang" and not a.worker_url
@@ -281,6 +285,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         startup_timeout_s=startup_timeout,
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),
+        worker_api_key=worker_api_key,
         sglang_args=tuple(passthrough)
         + (("--schedule-low-priority-values-first",) if low_first_passthrough else ()),
         health_check_interval_s=a.health_check_interval,

@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tcp://host:5557); without it the router guesses the caches from what it routed",
     )  # fmt: skip
     p.add_argument(
+        "--worker-api-key", default=None, metavar="KEY",
+        help="sglang: the SGLang servers' --api-key: the bridges send it as a Bearer token on "
+        "every call, and servers the launcher starts get it (default: env "
+        "SGLFAIR_WORKER_API_KEY)",
+    )  # fmt: skip
+    p.add_argument(
         "--health-check-interval", type=float, default=5.0, metavar="S",
         help="sglang: seconds between a bridge's /health checks of its server",
     )  # fmt: skip

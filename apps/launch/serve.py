@@ -295,7 +295,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
             await state.service.close()
             return 1
         if sglang:
-            infos = await probe_servers(urls)
+            infos = await probe_servers(urls, cfg.worker_api_key)
             contexts = [x.context_len for x in infos if x.context_len]
             state.adopt_engine_limits(
                 context_len=min(contexts) if contexts else None,

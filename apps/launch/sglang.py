@@ -59,6 +59,8 @@ def sglang_server_command(
     ):
         if value is not None:  # else SGLang's own default (sized per GPU)
             argv += [flag, str(value)]
+    if cfg.worker_api_key:
+        argv += ["--api-key", cfg.worker_api_key]
     if cfg.context_length is not None:
         argv += ["--context-length", str(cfg.context_length)]
     if cfg.served_model_name is not None:
@@ -99,18 +101,19 @@ def bridge_configs(
             log_level=cfg.log_level,
             server_pid=pid,
             class_priority=_class_aware(cfg),
+            api_key=cfg.worker_api_key,
         )
         for i, (url, pid) in enumerate(zip(urls, server_pids, strict=True))
     ]
 
 
-async def probe_servers(urls: Sequence[str]) -> list[Any]:
+async def probe_servers(urls: Sequence[str], api_key: str | None = None) -> list[Any]:
     """Each server's ``ServerInfo`` (context length, model) once they are up."""
     import aiohttp
 
-    from sgl_fair.worker.sglang.http_api import probe_server
+    from sgl_fair.worker.sglang.http_api import auth_headers, probe_server
 
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=auth_headers(api_key)) as http:
         return list(await asyncio.gather(*(probe_server(http, url, 10.0) for url in urls)))
 
 

@@ -34,3 +34,15 @@ def test_sglangs_own_batch_defaults_stand_unless_the_user_sets_them():
     assert (ns.chunked_prefill_size, ns.max_running_requests) == (2048, 48)
     sim = parse_config([])
     assert (sim.chunked_prefill_size, sim.max_running_requests) == (8192, 256)
+
+
+def test_the_worker_api_key_reaches_servers_and_bridges():
+    from sgl_fair.launch.sglang import bridge_configs
+
+    assert _parsed(["--worker-api-key", "sk-w"]).api_key == "sk-w"
+    assert _parsed([]).api_key is None
+    cfg = parse_config([*BASE, "--worker-api-key", "sk-w"])
+    [b] = bridge_configs(cfg, "ipc:///tmp/x", ["http://127.0.0.1:31000"], [None])
+    assert b.api_key == "sk-w" and "sk-w" not in repr(b)
+    urls = ["--worker-url", "http://10.0.0.1:30000", "--worker-api-key", "sk-w"]
+    assert parse_config(urls).worker_api_key == "sk-w"

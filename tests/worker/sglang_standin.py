@@ -177,12 +177,12 @@ class BridgeRig:
 
     def __init__(self, tmp_dir: str, url: str, **cfg: Any) -> None:
         self.ep = Endpoints.ipc(os.path.join(tmp_dir, f"bridge-{_free_port()}"))
+        self.cfg = BridgeConfig(wid=0, endpoints=self.ep.base, url=url, **cfg)  # before sockets
         self.ctx = zmq.Context()
         self.router_in = self.ctx.socket(zmq.PULL)
         self.router_in.bind(self.ep.router_in)
         self.to_worker = self.ctx.socket(zmq.PUSH)
         self.to_worker.bind(self.ep.worker_in(0))
-        self.cfg = BridgeConfig(wid=0, endpoints=self.ep.base, url=url, **cfg)
         self.code: int | None = None
         self.got: list[Any] = []
 

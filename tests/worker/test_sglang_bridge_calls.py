@@ -83,3 +83,29 @@ def test_the_class_priority_follows_the_servers_direction(tmp_path, low_first):
         sign = 1 if low_first else -1  # SGLang: priority * sign, smallest first
         assert rt_sent * sign < be_sent * sign
         assert abs(rt_sent - be_sent) > 10  # SGLang's default preemption threshold
+
+
+def test_every_call_to_a_server_with_an_api_key_carries_it(tmp_path):
+    """SGLang with --api-key answers 401 to any call without ``Authorization: Bearer KEY``
+    (but /health): the bridge sends it on every call (info, generate, abort, flush)."""
+    from sgl_fair.messages import FlushCache, Flushed
+
+    with (
+        StandInSGLang(api_key="sk-worker", token_interval_s=0.02) as server,
+        BridgeRig(str(tmp_path), server.url, api_key="sk-worker") as rig,
+    ):
+        hello = rig.hello()
+        assert hello is not None and hello.kv_capacity_tokens == 20000  # /server_info read
+        rig.dispatch("ok", 3)
+        assert rig.finished({"ok"})["ok"].reason is FinishReason.LENGTH
+        rig.dispatch("long", 500)
+        assert rig.recv_until(lambda m: False, timeout_s=0.3) is None
+        rig.abort("long")
+        assert rig.finished({"long"})["long"].reason is FinishReason.ABORTED
+        rig.send(FlushCache(0, 7))
+        flushed = rig.recv_until(lambda m: isinstance(m, Flushed))
+        assert flushed is not None and flushed.ok
+        paths = {p for _m, p, _a, _b in server.seen}
+        assert {"/server_info", "/generate", "/abort_request", "/flush_cache"} <= paths
+        assert {a for _m, _p, a, _b in server.seen} == {"Bearer sk-worker"}
+        assert server.aborted  # the abort was taken, not answered 401

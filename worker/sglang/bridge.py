@@ -59,6 +59,7 @@ from .http_api import (
     ServerInfo,
     SSEParser,
     StreamState,
+    auth_headers,
     decode_json,
     error_message,
     generate_body,
@@ -90,6 +91,7 @@ class BridgeConfig:
     # in the direction the server's /server_info reports): for a class-aware plugin policy
     # (BROS) on a server with --enable-priority-scheduling.
     class_priority: bool = False
+    api_key: str | None = field(default=None, repr=False)  # the server's --api-key, if any
 
 
 # ---- the process -----------------------------------------------------------------------------
@@ -163,7 +165,10 @@ class Bridge:
     async def run(self) -> int:
         connector = aiohttp.TCPConnector(limit=0)  # one connection per stream, no cap
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        headers = auth_headers(self.cfg.api_key)  # on every call: health, info, generate …
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=headers
+        ) as http:
             self.http = http
             self._spawn(self._recv_loop())
             self._spawn(self._start())

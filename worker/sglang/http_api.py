@@ -48,6 +48,11 @@ class ServerInfo:
         return " ".join(x for x in ("sglang", self.version, self.model_path) if x)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers of every call to a server started with ``--api-key`` (none without)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def get_json(http: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
     """The JSON at ``url``, or None when it is not there (any error, non-200, not JSON)."""
     try:
@@ -311,6 +316,7 @@ decode_json = msgspec.json.Decoder().decode  # a ValueError on bad JSON; faster 
 
 __all__ = [
     "DEFAULT_RETRY_AFTER_S",
+    "auth_headers",
     "Outcome",
     "SSEParser",
     "ServerInfo",
