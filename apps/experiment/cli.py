@@ -126,6 +126,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         _print_table(f"{exp.name} ({exp.figure}) — {exp.description}", result.rows)
+        named = [f"{r['policy']}: {r['predictor']}" for r in result.rows if "predictor" in r]
+        if named:
+            print("  output-length predictor (VTC's predict): " + ", ".join(named))
         for claim in result.claims:
             mark = "PASS" if claim.passed else "FAIL"
             print(f"  [{mark}] {claim.text} — {claim.detail}")
@@ -253,6 +256,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps(row, indent=2))
     else:
         _print_table(f"replay {args.trace} on {args.gpu} + {args.model}", [row])
+        if predictor is not None:
+            print(f"  output-length predictor (VTC's predict): {predictor}")
         print(
             f"  simulated {result.t_end_s:.1f} s in {result.wall_s:.2f} s "
             f"({len(requests)} requests, KV pool {result.kv_capacity_tokens} tokens)"
