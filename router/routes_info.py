@@ -105,6 +105,9 @@ def info_routes(state: ServerState) -> list[Route]:
             "time_scale": None if math.isinf(cfg.time_scale) else cfg.time_scale,
             "schedule_policy": cfg.schedule_policy,
             "schedule_policy_opts": cfg.schedule_policy_opts,
+            # what our SGLang plugin reports (worker/sglang/plugin.py): the workers' policy,
+            # so a bridge in front of this server (--worker-url) accepts it
+            "sgl_fair": {"policy": cfg.schedule_policy, "opts": cfg.schedule_policy_opts},
             "router_policy": cfg.router_policy,
             "router_policy_opts": cfg.router_policy_opts,
             "cluster_oit": svc.router.oit is not None,

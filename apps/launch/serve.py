@@ -277,7 +277,8 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         await state.service.start()
         if sglang:
             pids = [s.pid for s in servers.servers] if servers else [None] * len(urls)
-            procs.start(bridge_configs(cfg, state.service.endpoints.base, urls, pids), bridge_main)
+            bridges = bridge_configs(cfg, state.service.endpoints.base, urls, pids, tenants)
+            procs.start(bridges, bridge_main)
         else:
             procs.start(sim_worker_configs(cfg, state))
             # A simulated worker that exits is started again (an SGLang server is not: its

@@ -86,10 +86,17 @@ def _class_aware(cfg: LaunchConfig) -> bool:
 
 
 def bridge_configs(
-    cfg: LaunchConfig, endpoints: str, urls: Sequence[str], server_pids: Sequence[int | None]
+    cfg: LaunchConfig,
+    endpoints: str,
+    urls: Sequence[str],
+    server_pids: Sequence[int | None],
+    tenants: TenantTable | None = None,
 ) -> list[Any]:
+    """One bridge per server; each checks at start that its server's plugin runs our local
+    policy (``--worker-url`` servers too: a plain SGLang server is refused)."""
     from sgl_fair.worker.sglang.bridge import BridgeConfig
 
+    opts = local_policy_opts(cfg, tenants)
     return [
         BridgeConfig(
             wid=i,
@@ -102,6 +109,8 @@ def bridge_configs(
             server_pid=pid,
             class_priority=_class_aware(cfg),
             api_key=cfg.worker_api_key,
+            expect_policy=cfg.schedule_policy,
+            expect_opts=opts,
         )
         for i, (url, pid) in enumerate(zip(urls, server_pids, strict=True))
     ]

@@ -39,6 +39,9 @@ s.schedule_low_priority_values_first = False
 assert not hasattr(s, "disaggregation_mode")  # set by init_disaggregation, later
 s.init_schedule_policy()  # the real method, with our AFTER hook
 print("POLICY", type(s.policy).__name__, flush=True)
+s.max_total_num_tokens, s.max_req_input_len, s.startup_time = 1000, 100, 0.0
+import json
+print("INFO", json.dumps(s.get_init_info().get("sgl_fair")), flush=True)  # -> /server_info
 """
 
 
@@ -59,6 +62,16 @@ def test_the_plugins_on_line_is_in_sglangs_log():
     lines = [x for x in out.stderr.splitlines() if "sgl-fair plugin on" in x]
     assert len(lines) == 1, out.stderr[-3000:]
     assert "TP0" in lines[0] and "vtc" in lines[0] and '"weights": {"a": 2}' in lines[0]
+
+
+def test_the_scheduler_reports_the_plugins_state_for_server_info():
+    """``get_init_info`` is what SGLang spreads into ``/server_info``: the bridges read the
+    plugin's policy there and refuse a server that does not run it."""
+    import json
+
+    out = run_scheduler_start(ON)
+    [info] = [x for x in out.stdout.splitlines() if x.startswith("INFO ")]
+    assert json.loads(info[5:]) == {"policy": "vtc", "opts": {"weights": {"a": 2}}}
 
 
 def test_sglang_sets_the_disaggregation_mode_after_the_schedule_policy():

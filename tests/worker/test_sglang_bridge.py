@@ -462,7 +462,7 @@ def test_a_refusal_by_the_servers_scheduler_is_429(tmp_path):
     rpm = ("--schedule-policy", "rpm", "--schedule-policy-opt", "limit=1", "--time-scale", "inf")
     with (
         standin(tmp_path, *rpm) as (sin, _kv),
-        launched("--worker-url", sin.url, tmp_path=tmp_path) as outer,
+        launched("--worker-url", sin.url, *rpm[:2], tmp_path=tmp_path) as outer,
     ):
         body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
         hdr = {"X-Client-Id": "eager"}

@@ -109,3 +109,37 @@ def test_every_call_to_a_server_with_an_api_key_carries_it(tmp_path):
         assert {"/server_info", "/generate", "/abort_request", "/flush_cache"} <= paths
         assert {a for _m, _p, a, _b in server.seen} == {"Bearer sk-worker"}
         assert server.aborted  # the abort was taken, not answered 401
+
+
+PLUGIN = {"policy": "dlpm", "opts": {"weights": {"acme": 3.0}}}
+
+
+@pytest.mark.parametrize(
+    ("reported", "refused"),
+    [(None, "runs no sgl-fair plugin"), ({"policy": "vtc", "opts": {}}, "policy 'vtc'"),
+     (PLUGIN, None), ({"policy": "dlpm", "opts": {}}, None)],
+    ids=["plain", "other-policy", "same", "other-options"],
+)  # fmt: skip
+def test_a_server_without_our_plugin_is_refused_at_start(tmp_path, caplog, reported, refused):
+    """A --worker-url server started without SGLFAIR_SCHEDULE_POLICY runs SGLang's own
+    scheduling: the bridge reads the plugin's state in /server_info and refuses the server
+    (exit, one line) instead of serving unfairly under a banner that says otherwise."""
+    from sgl_fair.worker.sglang.bridge import EXIT_NOT_FAIR
+
+    info = {} if reported is None else {"sgl_fair": reported}
+    with (
+        StandInSGLang(info=info) as server,
+        BridgeRig(str(tmp_path), server.url, expect_policy="dlpm",
+                  expect_opts=PLUGIN["opts"]) as rig,
+    ):  # fmt: skip
+        hello = rig.hello(timeout_s=5)
+        if refused is None:
+            assert hello is not None and "(sgl-fair dlpm)" in hello.engine
+            warned = [r.message for r in caplog.records if "options" in r.message]
+            assert bool(warned) is (reported != PLUGIN)  # other weights: said, not refused
+        else:
+            assert hello is None
+            rig.thread.join(5)
+            assert rig.code == EXIT_NOT_FAIR
+            assert any(refused in r.message for r in caplog.records), caplog.text
+            assert not server.calls("/generate")

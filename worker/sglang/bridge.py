@@ -64,6 +64,7 @@ from .http_api import (
     error_message,
     generate_body,
     get_json,
+    plugin_check,
     probe_server,
     retry_after_header,
     status_outcome,
@@ -72,6 +73,7 @@ from .http_api import (
 log = logging.getLogger("sgl_fair.bridge")
 
 EXIT_SERVER_GONE = 3
+EXIT_NOT_FAIR = 4  # the server does not run our plugin with the expected policy
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,10 @@ class BridgeConfig:
     # (BROS) on a server with --enable-priority-scheduling.
     class_priority: bool = False
     api_key: str | None = field(default=None, repr=False)  # the server's --api-key, if any
+    # The local policy the server's plugin must run (its /server_info says), and its options:
+    # a server without it is refused (EXIT_NOT_FAIR); other options are a warning.
+    expect_policy: str | None = None
+    expect_opts: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- the process -----------------------------------------------------------------------------
@@ -209,6 +215,13 @@ class Bridge:
                 return
             await asyncio.sleep(0.5)
         self.info = await probe_server(self.http, self.url)
+        if cfg.expect_policy is not None:
+            refusal, warning = plugin_check(self.info, cfg.expect_policy, cfg.expect_opts)
+            if refusal is not None:
+                self.stop(EXIT_NOT_FAIR, f"SGLang server {self.url} {refusal}")
+                return
+            if warning is not None:
+                log.warning("bridge %d: SGLang server %s: %s", cfg.wid, self.url, warning)
         kv_cap = self.info.kv_capacity_tokens
         self.send(Hello(cfg.wid, time.time(), os.getpid(), kv_cap, self.info.engine))
         log.info("bridge %d: %s ready (%s)", cfg.wid, self.url, self.info.engine)

@@ -42,10 +42,44 @@ class ServerInfo:
     context_len: int | None = None
     incremental: bool = False  # --incremental-streaming-output: chunks carry only new ids
     low_priority_first: bool = False  # --schedule-low-priority-values-first
+    plugin: dict[str, Any] | None = None  # our plugin's state (PLUGIN_KEY), None: not on
 
     @property
     def engine(self) -> str:
-        return " ".join(x for x in ("sglang", self.version, self.model_path) if x)
+        parts = ["sglang", self.version, self.model_path]
+        if self.plugin is not None:
+            parts.append(f"(sgl-fair {self.plugin.get('policy')})")
+        return " ".join(x for x in parts if x)
+
+
+PLUGIN_KEY = "sgl_fair"  # plugin.INFO_KEY: the plugin's state in SGLang's /server_info
+
+
+def plugin_check(
+    info: ServerInfo, policy: str, opts: dict[str, Any]
+) -> tuple[str | None, str | None]:
+    """Whether a server runs our plugin with ``policy`` (and ``opts``): ``(refusal, warning)``.
+    A server without the plugin, or with another policy, would silently schedule by other
+    rules than the ones the router announces: refused. Other options (tenant weights, ...)
+    are a warning: the server runs the policy, with its own settings."""
+    on = info.plugin
+    start = (
+        f"start it with SGLFAIR_SCHEDULE_POLICY={policy} (and SGLFAIR_SCHEDULE_POLICY_OPTS) in "
+        "its environment, sgl-fair installed beside SGLang"
+    )
+    if on is None:
+        return f"runs no sgl-fair plugin (its /server_info has no {PLUGIN_KEY!r}); {start}", None
+    if on.get("policy") != policy:
+        return (
+            f"runs the sgl-fair plugin with policy {on.get('policy')!r}, not {policy!r}; {start}",
+            None,
+        )
+    if (on.get("opts") or {}) != (opts or {}):
+        return None, (
+            f"its sgl-fair plugin runs {policy} with options {on.get('opts')} where the launcher "
+            f"has {opts} (tenant weights go to a server through SGLFAIR_SCHEDULE_POLICY_OPTS)"
+        )
+    return None, None
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -100,6 +134,7 @@ async def probe_server(
         ),
         incremental=bool(info.get("incremental_streaming_output", False)),
         low_priority_first=bool(info.get("schedule_low_priority_values_first", False)),
+        plugin=info.get(PLUGIN_KEY) if isinstance(info.get(PLUGIN_KEY), dict) else None,
     )
 
 
@@ -316,6 +351,8 @@ decode_json = msgspec.json.Decoder().decode  # a ValueError on bad JSON; faster 
 
 __all__ = [
     "DEFAULT_RETRY_AFTER_S",
+    "PLUGIN_KEY",
+    "plugin_check",
     "auth_headers",
     "Outcome",
     "SSEParser",

@@ -9,6 +9,10 @@ with SGLang's ``HookRegistry`` (applied by SGLang right after plugins load)::
     Scheduler.process_batch_result     AFTER   charge output tokens; finishes and aborts
     Scheduler.abort_request            AFTER   queued requests that left the queue
     ScheduleBatch.retract_decode       AFTER   retractions (and requests aborted there)
+    Scheduler.get_init_info            AFTER   the plugin's state, in SGLang's /server_info
+    SchedulerRequestReceiver._pull_raw_reqs               AFTER  the pulling rank's clock tick
+    SchedulerRequestReceiver._broadcast_reqs_across_ranks AFTER  every rank takes the tick
+                                       (clock.py: one clock for all TP ranks)
 
 Bad settings stop the scheduler process with one line naming the variable: a server asked to
 be fair never silently runs SGLang's own policy instead.
@@ -21,12 +25,14 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
+from sgl_fair.worker.sglang.clock import RANK_CLOCK
 from sgl_fair.worker.sglang.profile import profile_path, register_profiler
 from sgl_fair.worker.sglang.settings import PluginSettings, settings_from_env
 
 log = logging.getLogger("sgl_fair.sglang")
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+RECEIVER = "sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver"
 TARGETS = {
     "init_policy": f"{SCHEDULER}.init_schedule_policy",
     "add_request": f"{SCHEDULER}._add_request_to_queue",
@@ -34,7 +40,14 @@ TARGETS = {
     "batch_result": f"{SCHEDULER}.process_batch_result",
     "abort": f"{SCHEDULER}.abort_request",
     "retract": "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
+    "init_info": f"{SCHEDULER}.get_init_info",
+    "pull": f"{RECEIVER}._pull_raw_reqs",
+    "broadcast": f"{RECEIVER}._broadcast_reqs_across_ranks",
 }
+
+# The key of the plugin's state in what the scheduler reports at start (``get_init_info``),
+# which SGLang's /server_info carries: our bridges check it (http_api.plugin_check).
+INFO_KEY = "sgl_fair"
 
 _settings: PluginSettings | None = None
 
@@ -63,6 +76,9 @@ def register() -> None:
     HookRegistry.register(TARGETS["batch_result"], _after_batch_result, HookType.AFTER)
     HookRegistry.register(TARGETS["abort"], _after_abort, HookType.AFTER)
     HookRegistry.register(TARGETS["retract"], _after_retract, HookType.AFTER)
+    HookRegistry.register(TARGETS["init_info"], _after_init_info, HookType.AFTER)
+    HookRegistry.register(TARGETS["pull"], _after_pull, HookType.AFTER)
+    HookRegistry.register(TARGETS["broadcast"], _after_broadcast, HookType.AFTER)
     # No "on" line here: SGLang configures its logging after loading plugins (install_policy
     # writes it, once the scheduler's log is set up).
 
@@ -80,9 +96,14 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
     old = getattr(scheduler, "policy", None)
     if old is not None and hasattr(old, "detach"):
         old.detach()
+    ranks = tp_ranks()
     scheduler.policy = FairSchedulePolicy(
         settings.make_policy(),
         scheduler.tree_cache,
+        clock=RANK_CLOCK,  # the same time on every TP rank (clock.py)
+        # Only attention-TP rank 0 records KV events (the shadow's feed); with several ranks
+        # every rank matches prefixes on its own tree cache (identical across ranks).
+        shadow=ranks == 1,
         enable_hierarchical_cache=bool(getattr(scheduler, "enable_hierarchical_cache", False)),
         low_priority_first=bool(getattr(scheduler, "schedule_low_priority_values_first", False)),
     )
@@ -92,6 +113,26 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
         json.dumps(settings.opts, sort_keys=True),
     )
     return scheduler.policy
+
+
+def tp_ranks() -> int:
+    """The scheduler's attention tensor-parallel ranks (1 where no config is published)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return max(1, int(getattr(get_parallel(), "attn_tp_size", 1) or 1))
+    except (ImportError, ValueError, AttributeError, TypeError):
+        return 1
+
+
+def _after_pull(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(result, list):  # this rank pulled from the tokenizer: it ticks
+        RANK_CLOCK.stamp(result)
+    return result
+
+
+def _after_broadcast(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
+    return RANK_CLOCK.take(result) if isinstance(result, list) else result
 
 
 def disaggregation_mode(scheduler: Any) -> str:
@@ -125,6 +166,15 @@ def _fair(scheduler: Any) -> Any:
 def _after_init_policy(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     assert _settings is not None
     install_policy(scheduler, _settings)
+
+
+def _after_init_info(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """The scheduler's start-up report (SGLang spreads it into /server_info): the plugin's
+    policy and options, so a bridge can tell a fair server from a plain one."""
+    fair = _fair(scheduler)
+    if fair is not None and isinstance(result, dict) and _settings is not None:
+        result[INFO_KEY] = {"policy": _settings.policy, "opts": _settings.opts}
+    return result
 
 
 def _around_add_request(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any):
