@@ -121,7 +121,7 @@ def tp_ranks() -> int:
         from sglang.srt.runtime_context import get_parallel
 
         return max(1, int(getattr(get_parallel(), "attn_tp_size", 1) or 1))
-    except (ImportError, ValueError, AttributeError, TypeError):
+    except (ImportError, ValueError, AttributeError, TypeError, RuntimeError):
         return 1
 
 
