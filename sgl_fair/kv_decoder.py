@@ -163,7 +163,13 @@ class KVEventDecoder:
         else:
             self.num_orphans += 1
             return
-        tokens = tuple(token_ids)
+        if type(token_ids[0]) is not int:
+            # EAGLE's bigram pages: (t_j, t_j+1) holds the KV of t_j, so the page's token
+            # path is the pairs' first tokens (a request matching it may match one token
+            # less in SGLang, whose key also needs the next token).
+            tokens = tuple(pair[0] for pair in token_ids)
+        else:
+            tokens = tuple(token_ids)
         end = 0
         # The block new pages hang below (None at the root): within an event it is the
         # page just added, whose child slot is empty, so linking is one assignment.
@@ -245,6 +251,12 @@ class KVEventDecoder:
             start = len(path) - len(blocks[h].tokens) + self._still_held(h, gone)
             if start < len(path):
                 ops.append(Removed(path, start))
+                continue
+            # Every token of the page stays through a sibling page: EAGLE's bigram pages
+            # (x, y1) and (x, y2) both hold x. What goes is below it, from each child page on
+            # (its first token, y1, differs from the sibling's y2).
+            for child in _child_hashes(blocks[h]):
+                ops.append(Removed(self.path(child), len(path)))
         self._last = None
         for h in roots:
             self._forget(h)
@@ -287,6 +299,13 @@ class KVEventDecoder:
                 stack.extend(h for _, h in c)
             elif c is not None:
                 stack.append(c)
+
+
+def _child_hashes(block: _Block) -> list[int]:
+    c = block.children
+    if c is None:
+        return []
+    return [h for _, h in c] if isinstance(c, list) else [c]
 
 
 __all__ = [

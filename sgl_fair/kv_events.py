@@ -58,7 +58,10 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 class BlockStored(KVCacheEvent):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    # Token ids; with EAGLE speculative decoding SGLang's cache keys are bigrams and a page
+    # lists ``(token, next token)`` pairs (``mem_cache/events.py``, ``record_store``): pair j
+    # is the KV of the page's token j. ``KVEventDecoder`` reads a pair as its first token.
+    token_ids: list[int | tuple[int, int]]
     block_size: int
     lora_id: int | None
     medium: str | None = None

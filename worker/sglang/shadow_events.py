@@ -51,6 +51,8 @@ def supported(tree_cache: Any) -> str | None:
         return "KV events are off (--kv-events-config turns them on)"
     if int(getattr(tree_cache, "page_size", 1) or 1) != 1:
         return "page size > 1"
+    if getattr(getattr(tree_cache, "tree_core", None), "is_eagle", False):
+        return "EAGLE bigram keys (SGLang's match needs the next token too)"
     return None
 
 
