@@ -143,3 +143,13 @@ def test_a_server_without_our_plugin_is_refused_at_start(tmp_path, caplog, repor
             assert rig.code == EXIT_NOT_FAIR
             assert any(refused in r.message for r in caplog.records), caplog.text
             assert not server.calls("/generate")
+
+
+def test_a_server_that_refuses_the_info_call_is_refused_with_the_likely_cause(tmp_path, caplog):
+    with (
+        StandInSGLang(api_key="sk-worker", info={"sgl_fair": PLUGIN}) as server,
+        BridgeRig(str(tmp_path), server.url, expect_policy="dlpm") as rig,
+    ):  # no --worker-api-key: /server_info answers 401
+        assert rig.hello(timeout_s=5) is None
+        rig.thread.join(5)
+        assert "needs --worker-api-key" in caplog.text

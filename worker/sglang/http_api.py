@@ -43,6 +43,7 @@ class ServerInfo:
     incremental: bool = False  # --incremental-streaming-output: chunks carry only new ids
     low_priority_first: bool = False  # --schedule-low-priority-values-first
     plugin: dict[str, Any] | None = None  # our plugin's state (PLUGIN_KEY), None: not on
+    info_read: bool = True  # False: neither /server_info nor /get_server_info answered JSON
 
     @property
     def engine(self) -> str:
@@ -67,6 +68,11 @@ def plugin_check(
         f"start it with SGLFAIR_SCHEDULE_POLICY={policy} (and SGLFAIR_SCHEDULE_POLICY_OPTS) in "
         "its environment, sgl-fair installed beside SGLang"
     )
+    if on is None and not info.info_read:
+        return (
+            "did not answer /server_info, so whether it runs the sgl-fair plugin is unknown "
+            "(a server started with --api-key needs --worker-api-key)"
+        ), None
     if on is None:
         return f"runs no sgl-fair plugin (its /server_info has no {PLUGIN_KEY!r}); {start}", None
     if on.get("policy") != policy:
@@ -114,7 +120,8 @@ async def probe_server(
     info = await get_json(http, url + "/server_info", timeout_s)
     if not isinstance(info, dict):
         info = await get_json(http, url + "/get_server_info", timeout_s)
-    info = info if isinstance(info, dict) else {}
+    info_read = isinstance(info, dict)
+    info = info if info_read else {}
     model = await get_json(http, url + "/model_info", timeout_s)
     if not isinstance(model, dict):
         model = await get_json(http, url + "/get_model_info", timeout_s)
@@ -135,6 +142,7 @@ async def probe_server(
         incremental=bool(info.get("incremental_streaming_output", False)),
         low_priority_first=bool(info.get("schedule_low_priority_values_first", False)),
         plugin=info.get(PLUGIN_KEY) if isinstance(info.get(PLUGIN_KEY), dict) else None,
+        info_read=info_read,
     )
 
 
