@@ -146,7 +146,7 @@ def disaggregation_mode(scheduler: Any) -> str:
             from sglang.srt.runtime_context import get_disagg
 
             mode = get_disagg().disaggregation_mode
-        except (ImportError, ValueError, AttributeError):  # no config published
+        except (ImportError, ValueError, AttributeError, RuntimeError):  # none published
             args = getattr(scheduler, "server_args", None)
             mode = getattr(args, "disaggregation_mode", None)
     mode = getattr(mode, "value", mode)
