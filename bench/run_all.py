@@ -20,6 +20,7 @@ import bench_liveness  # noqa: E402
 import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
+import bench_sglang_live  # noqa: E402
 import bench_sim_speed  # noqa: E402
 
 from sgl_fair.experiment import bros  # noqa: E402
@@ -62,6 +63,7 @@ def main() -> None:
         "sglang_adapter_unified": bench_sglang_adapter.main(
             ["--waiting", "1000", "--cases", "plugin:dlpm,plugin-exact:dlpm", "--cache", "unified"]
         ),
+        "sglang_live": bench_sglang_live.main([]),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)
