@@ -35,6 +35,10 @@ from sgl_fair.demo.server import serving
 
 CPU_FLAGS = ("--device", "cpu", "--max-total-tokens", "20000", "--skip-server-warmup")
 POLICIES = ("fcfs", "vtc", "dlpm")
+# DLPM's quantum is in tokens of service: its default (2,048) suits prompts of thousands of
+# tokens; here a flood request costs ~140 (12 prompt + 2 x 64 output), so 2,048 would let the
+# flood run ~14 requests per round before the victim's turn. 256 is about two of them.
+POLICY_OPTS = {"dlpm": ("--schedule-policy-opt", "quantum=256")}
 
 
 @dataclass
@@ -141,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for policy in policies:
         launch = [
             "--backend", "sglang", "--dp", "1", "--model-path", args.model_path,
-            "--schedule-policy", policy,
+            "--schedule-policy", policy, *POLICY_OPTS.get(policy, ()),
             "--max-running-requests", str(args.max_running_requests),
             *(CPU_FLAGS if args.cpu else ()),
         ]  # fmt: skip

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from live_helpers import launched  # noqa: E402
 pytestmark = [pytest.mark.sglang_server, pytest.mark.slow]
 
 POLICY = "vtc"
+KEY = "sk-worker-test"  # --worker-api-key: the servers get --api-key, the bridges send it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def live(tiny_model, tmp_path_factory):
         mp.setenv(k, v)
     args = (
         "--backend", "sglang", "--dp", "2", "--model-path", str(tiny_model),
-        "--schedule-policy", POLICY, "--heartbeat-timeout", "30",
+        "--schedule-policy", POLICY, "--heartbeat-timeout", "30", "--worker-api-key", KEY,
         *live_rig.CPU_FLAGS, "--max-running-requests", "8",
     )  # fmt: skip
     try:
@@ -121,27 +124,40 @@ def test_streaming_chunks_add_up(live):
 
 
 async def _abort_one_of(url: str) -> dict[str, dict]:
-    """Three long requests whose rids share a prefix, two tenants; abort ``job1`` only."""
+    """Three requests whose rids share a prefix, two tenants; ``job1`` (streamed, long) is
+    aborted once its first tokens arrive, while the other two run."""
     async with httpx.AsyncClient(timeout=300) as http:
 
-        async def one(rid, client):
+        async def one(rid, client, n_out):
             body = {
                 "text": f"Fairness means {rid}",
                 "rid": rid,
-                "sampling_params": {"max_new_tokens": 96, "ignore_eos": True},
+                "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True},
             }
             r = await http.post(url + "/generate", json=body, headers={"X-Client-Id": client})
             return rid, r.json()
 
-        tasks = [
-            asyncio.create_task(one("job1", "alice")),
-            asyncio.create_task(one("job1-1", "alice")),
-            asyncio.create_task(one("job10", "bob")),
+        others = [
+            asyncio.create_task(one("job1-1", "alice", 200)),
+            asyncio.create_task(one("job10", "bob", 200)),
         ]
-        await asyncio.sleep(1.5)
-        r = await http.post(url + "/abort_request", json={"rid": "job1"})
-        assert r.status_code == 200, r.text
-        return dict(await asyncio.gather(*tasks))
+        body = {
+            "text": "Fairness means job1",
+            "rid": "job1",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+        }
+        last, aborted = None, False
+        async with http.stream("POST", url + "/generate", json=body) as stream:
+            async for line in stream.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                last = json.loads(line[5:])
+                if last["meta_info"]["completion_tokens"] >= 1 and not aborted:
+                    aborted = True
+                    r = await http.post(url + "/abort_request", json={"rid": "job1"})
+                    assert r.status_code == 200, r.text
+        return {"job1": last, **dict(await asyncio.gather(*others))}
 
 
 def test_abort_is_exact_across_tenants(live):
@@ -150,7 +166,8 @@ def test_abort_is_exact_across_tenants(live):
     assert reasons["job1"] == "abort", got["job1"]
     assert reasons["job1-1"] == "length", got["job1-1"]
     assert reasons["job10"] == "length", got["job10"]  # another tenant's request lives
-    assert got["job10"]["meta_info"]["completion_tokens"] == 96
+    assert got["job10"]["meta_info"]["completion_tokens"] == 200
+    assert got["job1"]["meta_info"]["completion_tokens"] < 3000
 
 
 def test_client_disconnect_frees_the_request_on_sglang(live):
@@ -174,8 +191,48 @@ def test_client_disconnect_frees_the_request_on_sglang(live):
 
 
 def _running(url: str) -> int:
-    loads = httpx.get(url + "/v1/loads?include=core", timeout=10).json()["loads"]
+    loads = httpx.get(url + "/v1/loads?include=core", headers=AUTH, timeout=10).json()["loads"]
     return sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads)
+
+
+def test_the_servers_report_the_plugin_and_keep_sglangs_defaults(live):
+    """Each server the launcher started: its /server_info names our plugin and policy,
+    streams incrementally, keeps SGLang's own batch defaults (none given here but
+    --max-running-requests), and wants the worker key."""
+    for w in live.info()["workers"]:
+        assert httpx.get(w["url"] + "/server_info", timeout=10).status_code == 401
+        info = httpx.get(w["url"] + "/server_info", headers=AUTH, timeout=10).json()
+        assert info["sgl_fair"]["policy"] == POLICY, info.get("sgl_fair")
+        assert info["incremental_streaming_output"] is True
+        assert info["chunked_prefill_size"] != 8192  # SGLang's CPU default, not ours
+        assert info["max_running_requests"] == 8
+
+
+def test_worker_url_checks_the_plugin_on_the_server(live, tmp_path):
+    """A second router over one of these servers (--worker-url): the same policy is served,
+    another is refused at start with the reason, and so is a router without the key."""
+    url = live.info()["workers"][1]["url"]
+    base = ("--backend", "sglang", "--worker-url", url, "--heartbeat-timeout", "30")
+    with launched(
+        *base, "--schedule-policy", POLICY, "--worker-api-key", KEY, tmp_path=tmp_path
+    ) as other:
+        assert f"(sgl-fair {POLICY})" in other.log()
+        r = _gen(other.url, "through a second router", 4)
+        assert r.status_code == 200, r.text
+    for extra, reason in (
+        (("--schedule-policy", "dlpm", "--worker-api-key", KEY), "not 'dlpm'"),
+        (("--schedule-policy", POLICY), "--worker-api-key"),
+    ):
+        out = _launch_fails(*base, *extra)
+        assert reason in out, out
+
+
+def _launch_fails(*args: str) -> str:
+    port = live_rig.free_port()
+    cmd = [sys.executable, "-m", "sgl_fair.launch", "--port", str(port), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
 
 
 def test_a_killed_sglang_server_is_routed_around(live):

@@ -6,8 +6,9 @@ it) and talks to it over HTTP, SGLang's own API: the plugin loads through the
 admission. Nothing here is a stand-in: the batches, results, aborts and retractions the plugin
 accounts for are SGLang's.
 
-The flood workload: ``flood`` sends 12 long requests at once, ``victim`` 3 short ones a moment
-later, with ``--max-running-requests 2`` so the queue decides who runs. SGLang's own policy
+The flood workload: ``flood`` sends 24 long requests at once, ``victim`` 3 short ones once
+half of them wait in SGLang's queue, with ``--max-running-requests 2`` so the queue decides
+who runs. SGLang's own policy
 serves the flood's backlog first; a fair plugin puts the victim next.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -51,28 +54,51 @@ async def _generate(http, url, client, n_out, *, rid=None, priority=None, prompt
     return client, time.monotonic(), r
 
 
+FLOOD = 24  # flood requests, 32 output tokens each; the victim sends 3 of 8
+
+
 async def _flood_then_victim(url: str, *, victim_priority=None, flood_priority=None):
-    """Finish times in order: [(client, t)], for 12 flood requests then 3 victim ones."""
+    """Finish times in order, [(client, t)], for the flood's requests then the victim's (sent
+    once the flood is queued in SGLang: a ("sent", t) entry marks when), and the retractions
+    SGLang reported for them."""
     async with httpx.AsyncClient() as http:
         flood = [
             asyncio.create_task(_generate(http, url, "flood", 32, priority=flood_priority))
-            for _ in range(12)
+            for _ in range(FLOOD)
         ]
-        await asyncio.sleep(0.5)
+        await _until_queued(http, url, FLOOD // 2)
+        sent = time.monotonic()
         victim = [
             asyncio.create_task(_generate(http, url, "victim", 8, priority=victim_priority))
             for _ in range(3)
         ]
         done = await asyncio.gather(*flood, *victim)
-    for _, _, r in done:
+    retractions = 0
+    for client, _, r in done:
         assert r.status_code == 200, r.text
-    return sorted(((c, t) for c, t, _ in done), key=lambda x: x[1])
+        meta = r.json()["meta_info"]
+        assert meta["completion_tokens"] == (32 if client == "flood" else 8), meta
+        retractions += int(meta.get("num_retractions") or 0)
+    order = sorted([("sent", sent), *((c, t) for c, t, _ in done)], key=lambda x: x[1])
+    return order, retractions
+
+
+async def _until_queued(http, url: str, n: int, timeout_s: float = 30.0) -> None:
+    """Until SGLang holds ``n`` requests waiting (its ``/v1/loads``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = await http.get(url + "/v1/loads?include=core", timeout=10)
+        if sum(int(x.get("num_waiting_reqs", 0)) for x in r.json()["loads"]) >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the flood never queued {n} requests in SGLang")
 
 
 def _flood_done_before_victim(order) -> int:
-    """How many flood requests finished before the victim's last one."""
+    """How many flood requests finished after the victim's were sent and before its last."""
+    sent = next(i for i, (c, _) in enumerate(order) if c == "sent")
     last = max(i for i, (c, _) in enumerate(order) if c == "victim")
-    return sum(1 for c, _ in order[:last] if c == "flood")
+    return sum(1 for c, _ in order[sent:last] if c == "flood")
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +107,28 @@ def baseline(tiny_model, tmp_path_factory):
     The same plain server then stands for a ``--worker-url`` server started without the
     plugin (test_live_launch)."""
     with _server(tiny_model, tmp_path_factory.mktemp("plain"), None) as server:
-        order = asyncio.run(_flood_then_victim(server.url))
+        order, _ = asyncio.run(_flood_then_victim(server.url))
         yield server, _flood_done_before_victim(order)
 
 
 def test_sglang_alone_serves_the_flood_first(baseline):
     _, flood_first = baseline
-    assert flood_first >= 9, flood_first  # the workload discriminates
+    assert flood_first >= 10, flood_first  # the workload discriminates
+
+
+def test_worker_url_refuses_a_server_without_the_plugin(baseline):
+    """``--worker-url`` to a plain SGLang server (started without the plugin's variables):
+    the launch fails, naming why and how to start the server, never silently unfair."""
+    server, _ = baseline
+    port = live_rig.free_port()
+    cmd = [
+        sys.executable, "-m", "sgl_fair.launch", "--port", str(port), "--backend", "sglang",
+        "--worker-url", server.url, "--schedule-policy", "vtc",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "runs no sgl-fair plugin" in out and "SGLFAIR_SCHEDULE_POLICY=vtc" in out, out
 
 
 @pytest.mark.parametrize(
@@ -95,7 +136,7 @@ def test_sglang_alone_serves_the_flood_first(baseline):
 )
 def test_fair_plugin_decides_sglang_admission(tiny_model, tmp_path, baseline, policy, opts):
     with _server(tiny_model, tmp_path, policy, opts) as server:
-        order = asyncio.run(_flood_then_victim(server.url))
+        order, _ = asyncio.run(_flood_then_victim(server.url))
         log = server.log_path.read_text(errors="replace")
     flood_first = _flood_done_before_victim(order)
     assert flood_first <= 4, (flood_first, baseline[1])
@@ -139,5 +180,19 @@ def test_rpm_rejects_with_429_inside_sglang(tiny_model, tmp_path):
 def test_bros_runs_rt_before_a_be_backlog(tiny_model, tmp_path):
     args = (*QUEUE_ARGS, "--enable-priority-scheduling", "--retraction-policy", "priority")
     with _server(tiny_model, tmp_path, "bros", {"inner": "vtc"}, args=args) as server:
-        order = asyncio.run(_flood_then_victim(server.url, victim_priority=100, flood_priority=0))
+        order, _ = asyncio.run(
+            _flood_then_victim(server.url, victim_priority=100, flood_priority=0)
+        )
+    assert _flood_done_before_victim(order) <= 4
+
+
+def test_real_retractions_keep_the_accounting(tiny_model, tmp_path):
+    """SGLang's own retraction (``SGLANG_TEST_RETRACT``: its scheduler retracts running
+    requests every third step): every request still ends with its exact length, SGLang
+    reports the retractions, and VTC still puts the victim first — the plugin's ledger took
+    SGLang's real ``retract_decode`` results (no second input charge, no lost request)."""
+    env = {"SGLANG_TEST_RETRACT": "1"}
+    with _server(tiny_model, tmp_path, "vtc", extra_env=env) as server:
+        order, retractions = asyncio.run(_flood_then_victim(server.url))
+    assert retractions > 0
     assert _flood_done_before_victim(order) <= 4
