@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -204,12 +204,6 @@ class SGLangServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def sglang_server(model: Path, log_path: Path, **kw) -> Iterator[SGLangServer]:
-    with SGLangServer(model, log_path, **kw) as server:
-        yield server
 
 
 if __name__ == "__main__":  # make demo-sglang: write the tiny model into the folder given
