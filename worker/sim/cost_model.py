@@ -73,6 +73,10 @@ DEFAULT_EFFICIENCY: dict[str, Efficiency] = {
     "A100-80GB": Efficiency(
         flops=0.65, bandwidth=0.80, attention_flops=0.50, step_overhead_s=1.5e-3
     ),
+    # The same SXM4 die and kernels as the 80 GB part; only its HBM (peak) is slower.
+    "A100-40GB": Efficiency(
+        flops=0.65, bandwidth=0.80, attention_flops=0.50, step_overhead_s=1.5e-3
+    ),
     "H100-80GB": Efficiency(
         flops=0.60, bandwidth=0.80, attention_flops=0.45, step_overhead_s=1.5e-3
     ),

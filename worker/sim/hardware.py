@@ -35,7 +35,10 @@ class GPUSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer (Llama family: GQA attention, gated MLP) as in its config.json.
+    """A decoder-only transformer as in its config.json: by default the Llama family (GQA
+    attention, gated MLP, RMSNorm, rotary positions, no biases); OPT sets `gated_mlp=False`
+    (fc1/fc2 with ReLU), `linear_bias` and `norm_bias` (LayerNorm) and `num_positions` (a learned
+    position table: 2048 + OPT's offset of 2 rows).
 
     `num_params` is the published total; `num_params_from_architecture()` recomputes it from the
     shape, and a test keeps the two equal, so a typo in either shows up.
@@ -54,6 +57,10 @@ class ModelSpec:
     context_len: int
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2
+    gated_mlp: bool = True  # gate, up and down projections (SwiGLU); False: fc1, fc2
+    linear_bias: bool = False  # every projection has a bias (OPT)
+    norm_bias: bool = False  # LayerNorm (weight and bias) rather than RMSNorm (weight only)
+    num_positions: int = 0  # rows of a learned position-embedding table (0: rotary)
 
     @property
     def q_size(self) -> int:
@@ -61,17 +68,25 @@ class ModelSpec:
         return self.num_heads * self.head_dim
 
     @property
+    def _norm_params(self) -> int:
+        return self.hidden_size * (2 if self.norm_bias else 1)
+
+    @property
     def num_layer_params(self) -> int:
-        """Parameters of one decoder layer: q, k, v, o projections, gated MLP, two RMSNorms."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        """Parameters of one decoder layer: q, k, v, o projections, the MLP (gated: gate, up,
+        down; else fc1, fc2), biases where the model has them, two norms."""
+        h, kv, ffn = self.hidden_size, self.num_kv_heads * self.head_dim, self.intermediate_size
         attention = h * self.q_size + 2 * h * kv + self.q_size * h
-        mlp = 3 * h * self.intermediate_size
-        return attention + mlp + 2 * h
+        mlp = (3 if self.gated_mlp else 2) * h * ffn
+        if self.linear_bias:
+            attention += self.q_size + 2 * kv + h
+            mlp += (2 if self.gated_mlp else 1) * ffn + h
+        return attention + mlp + 2 * self._norm_params
 
     @property
     def num_nonembedding_params(self) -> int:
         """Parameters every token goes through: all decoder layers and the final norm."""
-        return self.num_layers * self.num_layer_params + self.hidden_size
+        return self.num_layers * self.num_layer_params + self._norm_params
 
     @property
     def num_lm_head_params(self) -> int:
@@ -79,7 +94,8 @@ class ModelSpec:
 
     def num_params_from_architecture(self) -> int:
         num_embedding_tables = 1 if self.tie_word_embeddings else 2
-        return self.num_nonembedding_params + num_embedding_tables * self.num_lm_head_params
+        embeddings = num_embedding_tables * self.num_lm_head_params
+        return self.num_nonembedding_params + embeddings + self.num_positions * self.hidden_size
 
     @property
     def weight_bytes(self) -> int:
@@ -108,6 +124,15 @@ GPUS: dict[str, GPUSpec] = {
             link_bw=300e9,
             allreduce_latency_s=8e-6,
         ),
+        # SXM4 40GB (the BROS paper's OPT testbed), HBM2, NVLink 3 (600 GB/s total).
+        GPUSpec(
+            name="A100-40GB",
+            peak_flops=312e12,
+            mem_bw=1.555e12,
+            mem_bytes=40960 * MiB,
+            link_bw=300e9,
+            allreduce_latency_s=8e-6,
+        ),
         # SXM5, HBM3, NVLink 4 (900 GB/s total = 450 GB/s per direction).
         GPUSpec(
             name="H100-80GB",
@@ -133,6 +158,7 @@ _GPU_ALIASES: dict[str, str] = {
     "a10g": "A10G-24GB",
     "a100": "A100-80GB",
     "a100-80g": "A100-80GB",
+    "a100-40g": "A100-40GB",
     "h100": "H100-80GB",
     "h100-sxm": "H100-80GB",
     "h200-141gb": "H200",
@@ -208,6 +234,27 @@ MODELS: dict[str, ModelSpec] = {
             vocab_size=128256,
             num_params=70_553_706_496,
             context_len=8192,
+        ),
+        # The BROS paper's bidirectional-cache model (its §7.4). Full multi-head attention (56
+        # KV heads); lm_head tied to the token embedding; 2048 positions + OPT's offset of 2.
+        # `num_params` is computed from this shape: Meta publishes only "30B" (README).
+        ModelSpec(
+            name="OPT-30B",
+            hf_id="facebook/opt-30b",
+            num_layers=48,
+            hidden_size=7168,
+            num_heads=56,
+            num_kv_heads=56,
+            head_dim=128,
+            intermediate_size=28672,
+            vocab_size=50272,
+            num_params=29_974_540_288,
+            context_len=2048,
+            tie_word_embeddings=True,
+            gated_mlp=False,
+            linear_bias=True,
+            norm_bias=True,
+            num_positions=2050,
         ),
     )
 }
