@@ -25,6 +25,9 @@ object the simulator charges, ``T_iter = cost(prefill_chunks=..., decode_context
   host memory running short kept out: SPEC §5's last resort), the BE requests it needs are
   left out of the BE phase, and the scheduler retracts them for the pick, fewest generated
   tokens first (``victim``). ``preempt_be=False``: it waits for free KV.
+  ``recompute_blocked=True``: a chosen running request that finds no block for its next token
+  is itself retracted (recompute), RT or BE — vLLM's way, and with ``preempt_be=False`` the
+  paper's "No Bi-cache" baseline (§7.4); by default the scheduler retracts paused ones for it.
 * **BE phase** (l.17–33): BE requests sorted by checkpointed slots, fewest first (with an
   ``inner`` fairness policy, the least-served client first: VTC counter / DLPM deficit);
   each is added while the batch is not full, else it replaces the least-urgent scheduled RT
@@ -90,15 +93,20 @@ class BROS(BasePolicy):
         # retracting them (recompute), on allocators where RT cannot overwrite BE slots
         # (token, paged); False: it waits for free KV (the bidirectional ablation's baseline).
         preempt_be: bool = True
+        # A chosen running request that finds no KV block for its next token is retracted
+        # and recomputed itself, RT or BE (vLLM's way; with preempt_be=False, the paper's "No
+        # Bi-cache" baseline, §7.4); False: the scheduler retracts paused requests for it.
+        recompute_blocked: bool = False
 
         def __post_init__(self) -> None:
             if (self.b0 is not None and self.b0 < 1) or self.b_step < 0 or self.group_size < 1:
                 raise ValueError("bros: need b0 >= 1, b_step >= 0, group_size >= 1")
             if not 0 < self.ema <= 1:
                 raise ValueError(f"bros: ema must be in (0, 1] (got {self.ema})")
-            if not isinstance(self.preempt_be, bool):
-                bad = self.preempt_be
-                raise ValueError(f"bros: preempt_be must be true or false (got {bad!r})")
+            for name in ("preempt_be", "recompute_blocked"):
+                if not isinstance(getattr(self, name), bool):
+                    bad = getattr(self, name)
+                    raise ValueError(f"bros: {name} must be true or false (got {bad!r})")
             if self.inner not in INNER_POLICIES:
                 raise ValueError(
                     f"bros: inner must be one of {', '.join(INNER_POLICIES)} (got {self.inner!r})"
@@ -108,6 +116,8 @@ class BROS(BasePolicy):
         super().__init__(config)
         cfg = self.config
         self.batch_limit = cfg.b0 or 1 << 30  # B (clipped to max_running_requests per step)
+        # Declared to the scheduler (worker/select_step.py): who loses KV when a block is short.
+        self.recomputes_blocked = cfg.recompute_blocked
         self.num_early_returns = 0
         self.t_bar_s = 0.0  # moving-average iteration time T̄
         self.inner = None if cfg.inner == "none" else make_policy(cfg.inner, **cfg.inner_options)
