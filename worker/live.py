@@ -138,19 +138,11 @@ class LiveWorker:
         self.cfg = cfg
         self.core = build_core(cfg)
         self.encoder = kv_events.KVEventEncoder(page_size=cfg.kv_page_size)
-        ep = Endpoints(cfg.endpoints)
         self.ctx = ctx or zmq.Context.instance()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.connect(ep.worker_in(cfg.wid))
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.LINGER, 1000)
-        self.outbox.connect(ep.router_in)
-        self.kv_pub = self.ctx.socket(zmq.PUB)
-        self.kv_pub.setsockopt(zmq.LINGER, 0)
-        self.kv_pub.bind(ep.worker_kv(cfg.wid))
+        self.open_sockets()
         self.kv_seq = 0
         self.running = True
-        self.parent = os.getppid()
+        self.parent: int | None = os.getppid()  # None: not started by a launcher
         scale = cfg.time_scale
         if not scale > 0:
             raise ValueError(f"time_scale must be > 0 (got {scale})")
@@ -159,6 +151,26 @@ class LiveWorker:
         self.synchronous = bool(getattr(self.core.engine, "synchronous", False))
         if self.synchronous:
             self._wall_per_sim = 0.0
+
+    def open_sockets(self) -> None:
+        """``inbox`` (commands), ``outbox`` (to the router) and ``kv_pub`` (KV events) on the
+        launcher's endpoints; a standalone worker (``worker/remote.py``) opens its own."""
+        ep = Endpoints(self.cfg.endpoints)
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(ep.worker_in(self.cfg.wid))
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(ep.router_in)
+        self.kv_pub = self.ctx.socket(zmq.PUB)
+        self.kv_pub.setsockopt(zmq.LINGER, 0)
+        self.kv_pub.bind(ep.worker_kv(self.cfg.wid))
+
+    def hello(self) -> Hello:
+        core = self.core
+        return Hello(
+            self.cfg.wid, time.time(), os.getpid(), core.scheduler.kv.capacity_tokens,
+            self.engine_name(),
+        )  # fmt: skip
 
     # ---- io ---------------------------------------------------------------------------------
 
@@ -227,15 +239,7 @@ class LiveWorker:
 
     def run(self) -> None:
         core = self.core
-        self.send(
-            Hello(
-                self.cfg.wid,
-                time.time(),
-                os.getpid(),
-                core.scheduler.kv.capacity_tokens,
-                self.engine_name(),
-            )
-        )
+        self.send(self.hello())
         result = None
         due = 0.0
         heartbeat = self.cfg.load_interval_s
@@ -257,7 +261,8 @@ class LiveWorker:
                 if result is not None:
                     due = now + result.duration_s * self._wall_per_sim
             self.flush_out(now)
-            if os.getppid() != self.parent:  # the launcher is gone: do not linger
+            if self.parent is not None and os.getppid() != self.parent:
+                # the launcher is gone: do not linger
                 log.error("worker %d: parent process exited; stopping", self.cfg.wid)
                 break
 
