@@ -3,7 +3,9 @@
     python -m sgl_fair.experiment list
     python -m sgl_fair.experiment run NAME [--quick] [--out DIR] [--json] [--seed N]
         [--dp N] [--router P] [--local P] [--workload W] [--scenario s1|s2|none]
-        [--gpu G] [--model M] [--jobs N]          (flags: cluster experiments only)
+        [--gpu G] [--model M] [--jobs N]          (flags: cluster experiments only;
+                                                   fairserve-apps takes --dp and
+                                                   --scenario paper|benign-overload|abuse-overload)
     python -m sgl_fair.experiment replay --trace FILE --policy P
         [--gpu G --model M --tp N --kv-tokens N --policy-opt KEY=VALUE ...] [--json]
 
@@ -51,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--router", default=None, help="router policy, e.g. d2lpm")
     cluster.add_argument("--local", default=None, help="worker policy, e.g. dlpm")
     cluster.add_argument("--workload", default=None, help="tot | judge | longqa | chat | mixed")
-    cluster.add_argument("--scenario", default=None, help="s1 | s2 | none")
+    cluster.add_argument(
+        "--scenario",
+        default=None,
+        help="s1 | s2 | none (fairserve-apps: paper | benign-overload | abuse-overload)",
+    )
     cluster.add_argument("--gpu", default=None)
     cluster.add_argument("--model", default=None)
     cluster.add_argument("--jobs", type=int, default=None, help="processes (default: CPUs)")

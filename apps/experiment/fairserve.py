@@ -15,8 +15,14 @@ completion — the tokens they used are *wasted*). Two phases: the first half *o
 (every benign user at the scenario's ``overload_factor`` x its rate), the second
 *underloaded* (benign users at ``UNDERLOAD_FACTOR`` x; abusive users keep their rate).
 
-Two scenarios, run side by side on the same users (each row names its ``scenario``):
+Three scenarios on the same users (each row names its ``scenario``; ``--scenario NAME``
+picks one, ``paper`` by default):
 
+* ``paper`` (``fairserve_paper.py``): every app's interactions sized as the paper's trace
+  (Table 2: 73 % one call, 26 % 2-10, a tail to 30) in Figure 1's shape (decompose, agents
+  in parallel, aggregate: the agents' calls arrive in a burst), benign users offered
+  ``abuse-overload``'s expected load, and rpm's limit the 99th percentile of the benign
+  users' own requests per minute (Figure 2a) instead of rpm's default 20.
 * ``benign-overload``: benign users at 0.6x — in the overloaded phase their load *alone*
   is about what the GPU serves (KV pool ~90 % full for most of the phase even when the abusers
   are throttled to their limits), so calls queue whatever the policy does.
@@ -64,8 +70,16 @@ from typing import Any
 
 import numpy as np
 
-from sgl_fair.experiment.fairserve_report import make_row, premises, targets
+from sgl_fair.experiment.fairserve_paper import paper_levels, paper_overload_factor
+from sgl_fair.experiment.fairserve_report import (
+    benign_rpm_limit,
+    make_row,
+    offered_load,
+    premises,
+    targets,
+)
 from sgl_fair.policies import make_policy
+from sgl_fair.policies.rpm import RPM
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.sim.cost_model import CostModel
@@ -81,9 +95,6 @@ GPU, MODEL, KV_TOKENS = "A10G-24GB", "Llama-3.1-8B", None
 DURATION_S, QUICK_DURATION_S = 600.0, 180.0
 NUM_USERS, NUM_ABUSIVE = 1000, 6
 UNDERLOAD_FACTOR, ABUSE_FACTOR = 0.1, 20.0
-# Scenario -> benign users' rate factor in the overloaded phase (see the module docstring).
-SCENARIOS: dict[str, float] = {"benign-overload": 0.6, "abuse-overload": 0.45}
-OVERLOAD_FACTOR = SCENARIOS["benign-overload"]
 VOCAB = 32_000
 
 
@@ -123,6 +134,47 @@ APPS: tuple[AppProfile, ...] = (
 
 
 @dataclass(frozen=True)
+class Scenario:
+    """Benign users' rate factor in the overloaded phase; ``paper``: Table 2's interaction
+    sizes in Figure 1's shape (else each app's own graph) and rpm's limit from the benign
+    users' 99th-percentile RPM (else rpm's default)."""
+
+    name: str
+    overload_factor: float
+    paper: bool = False
+    benign_fits: bool = True  # premise: the benign load alone is below what is served
+
+
+def _mean_calls(app: AppProfile) -> float:
+    rng = np.random.default_rng(0)
+    return float(np.mean([sum(app.levels(rng)) for _ in range(4000)]))
+
+
+_PAPER_FACTOR = paper_overload_factor(
+    0.45,
+    [
+        (
+            a.share * sum(a.rate_per_min) / 2,
+            _mean_calls(a),
+            sum(a.input_len) / 2 + a.system_len + sum(a.output_len) / 2,
+        )
+        for a in APPS
+    ],
+)
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("paper", round(_PAPER_FACTOR, 3), paper=True),
+        Scenario("benign-overload", 0.6, benign_fits=False),
+        Scenario("abuse-overload", 0.45),
+    )
+}
+DEFAULT_SCENARIO = "paper"
+RPM_DEFAULT_LIMIT = RPM.Config().limit  # rpm's own default (20 per minute)
+OVERLOAD_FACTOR = SCENARIOS["benign-overload"].overload_factor
+
+
+@dataclass(frozen=True)
 class User:
     name: str
     app: AppProfile
@@ -151,15 +203,16 @@ class PolicyCase:
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
-def policies() -> tuple[PolicyCase, ...]:
-    """RPM's limit is its own default (20 per minute); FairServe knows the apps' system
-    prompts and seeds w from their profiles; its user/app limits are derived from history."""
+def policies(rpm_limit: int | None = None) -> tuple[PolicyCase, ...]:
+    """RPM's limit is ``rpm_limit`` per minute, else its own default (20); FairServe knows
+    the apps' system prompts and seeds w from their profiles; its user/app limits are
+    derived from history."""
     fs = {
         "system_lens": {a.name: a.system_len for a in APPS},
         "stage_weights": {a.name: a.expected_tokens() for a in APPS},
     }
     return (
-        PolicyCase("rpm", "rpm"),
+        PolicyCase("rpm", "rpm", {} if rpm_limit is None else {"limit": rpm_limit}),
         PolicyCase("vtc", "vtc"),
         PolicyCase("fairserve-w", "fairserve-w", fs),
         PolicyCase("fairserve", "fairserve", fs),
@@ -183,13 +236,15 @@ def make_users(rng: np.random.Generator) -> list[User]:
 
 
 def make_interactions(
-    users: list[User], duration_s: float, seed: int, overload_factor: float = OVERLOAD_FACTOR
+    users: list[User], duration_s: float, seed: int, scenario: str | Scenario = "benign-overload"
 ) -> list[Interaction]:
+    sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
     rng = np.random.default_rng(seed + 1)
     half = duration_s / 2
     out: list[Interaction] = []
     for user in users:
-        for t0, t1, factor in ((0.0, half, overload_factor), (half, duration_s, UNDERLOAD_FACTOR)):
+        phases = ((0.0, half, sc.overload_factor), (half, duration_s, UNDERLOAD_FACTOR))
+        for t0, t1, factor in phases:
             rate = user.rate_per_s * (1.0 if user.abusive else factor)
             t = t0 + rng.exponential(1 / rate)
             while t < t1:
@@ -198,27 +253,11 @@ def make_interactions(
                 body = rng.integers(1, VOCAB, size=ctx_len - app.system_len)
                 context = _system_prompt(app) + tuple(body.tolist())
                 iid = f"{user.name}/{len(out)}"
-                out.append(Interaction(iid, user, float(t), app.levels(rng), context))
+                levels = paper_levels(rng) if sc.paper else app.levels(rng)
+                out.append(Interaction(iid, user, float(t), levels, context))
                 t += rng.exponential(1 / rate)
     out.sort(key=lambda i: i.start_s)
     return out
-
-
-def offered_load(interactions: list[Interaction], duration_s: float) -> dict[str, float]:
-    """Offered tok/s per phase, benign and abusive: the expected input + output tokens of the
-    interactions that start in the phase (every call at its app's mean lengths)."""
-    half = duration_s / 2
-    out = {
-        f"{p}_{k}_tok_s": 0.0 for p in ("overloaded", "underloaded") for k in ("benign", "abusive")
-    }
-    for i in interactions:
-        app = i.user.app
-        per_call = sum(app.input_len) / 2 + app.system_len + sum(app.output_len) / 2
-        phase = "overloaded" if i.start_s < half else "underloaded"
-        out[f"{phase}_{'abusive' if i.user.abusive else 'benign'}_tok_s"] += (
-            sum(i.levels) * per_call
-        )
-    return {k: round(v / half, 1) for k, v in out.items()}
 
 
 def _system_prompt(app: AppProfile) -> tuple[int, ...]:
@@ -335,8 +374,15 @@ def _fresh(i: Interaction) -> Interaction:
 # ---------------------------------------------------------------- the experiment
 
 
-def run(*, quick: bool = False, seed: int = 0, dp: int = 1) -> dict[str, Any]:
-    """One worker (``dp`` 1), or a cluster of ``dp`` behind the router (``fairserve_cluster``)."""
+def run(
+    *,
+    quick: bool = False,
+    seed: int = 0,
+    dp: int = 1,
+    scenarios: tuple[str, ...] = (DEFAULT_SCENARIO,),
+) -> dict[str, Any]:
+    """One worker (``dp`` 1), or a cluster of ``dp`` behind the router (``fairserve_cluster``);
+    ``scenarios``: names in ``SCENARIOS``, run in that order on the same users."""
     from .fairserve_cluster import run_case_cluster, scaled_users
 
     duration = QUICK_DURATION_S if quick else DURATION_S
@@ -348,20 +394,32 @@ def run(*, quick: bool = False, seed: int = 0, dp: int = 1) -> dict[str, Any]:
     checks: list[dict[str, Any]] = []
     checked: list[dict[str, Any]] = []
     offered: dict[str, dict[str, float]] = {}
-    for scenario, factor in SCENARIOS.items():
-        interactions = make_interactions(users, duration, seed, factor)
-        offered[scenario] = {"overload_factor": factor, **offered_load(interactions, duration)}
+    settings: dict[str, dict[str, Any]] = {}
+    for scenario in scenarios:
+        sc = SCENARIOS[scenario]
+        interactions = make_interactions(users, duration, seed, sc)
+        limit = benign_rpm_limit(interactions, duration) if sc.paper else None
+        settings[scenario] = {
+            "overload_factor": sc.overload_factor,
+            "interaction_sizes": "table2-figure1" if sc.paper else "apps",
+            "rpm_limit_per_min": limit if limit is not None else RPM_DEFAULT_LIMIT,
+            "rpm_limit_from": "benign users' p99 RPM" if sc.paper else "rpm's default",
+        }
+        offered[scenario] = {
+            "overload_factor": sc.overload_factor,
+            **offered_load(interactions, duration),
+        }
         by_policy = {
             c.label: (
                 run_case(c, interactions, duration, seed, scenario)
                 if dp == 1
                 else run_case_cluster(c, interactions, duration, seed, dp, scenario)
             )
-            for c in policies()
+            for c in policies(limit)
         }
         rows.extend(by_policy.values())
         checks.extend(targets(by_policy, scenario))
-        checked.extend(premises(scenario, offered[scenario], by_policy))
+        checked.extend(premises(scenario, offered[scenario], by_policy, sc.benign_fits))
     return {
         "experiment": NAME,
         "figure": FIGURE,
@@ -374,6 +432,7 @@ def run(*, quick: bool = False, seed: int = 0, dp: int = 1) -> dict[str, Any]:
         "num_users": NUM_USERS,
         "num_abusive": NUM_ABUSIVE,
         "apps": [a.name for a in APPS],
+        "scenarios": settings,
         "offered": offered,
         "premises": checked,
         "rows": rows,
@@ -385,14 +444,21 @@ def run(*, quick: bool = False, seed: int = 0, dp: int = 1) -> dict[str, Any]:
 
 def cli_run(args: Any, cluster_flags: tuple[str, ...], usage_error: type, print_rows) -> int:
     """``python -m sgl_fair.experiment run fairserve-apps [--quick] [--json] [--seed N]
-    [--dp N]`` (``--dp``: over a cluster behind the router, with its OIT for fairserve)."""
-    given = [f"--{f}" for f in cluster_flags if f != "dp" and getattr(args, f) is not None]
+    [--dp N] [--scenario NAME]`` (``--dp``: over a cluster behind the router, with its OIT
+    for fairserve; ``--scenario``: one of ``SCENARIOS``, ``paper`` by default)."""
+    ours = ("dp", "scenario")
+    given = [f"--{f}" for f in cluster_flags if f not in ours and getattr(args, f) is not None]
     if given:
         raise usage_error(f"{', '.join(given)}: only for cluster experiments, not {NAME}")
     dp = 1 if getattr(args, "dp", None) is None else args.dp
     if not 1 <= dp <= 64:
         raise usage_error(f"--dp must be between 1 and 64 (got {dp})")
-    data = run(quick=args.quick, seed=args.seed, dp=dp)
+    scenario = getattr(args, "scenario", None)
+    scenario = DEFAULT_SCENARIO if scenario is None else scenario
+    if scenario not in SCENARIOS:
+        known = " | ".join(SCENARIOS)
+        raise usage_error(f"--scenario for {NAME} must be {known} (got {scenario!r})")
+    data = run(quick=args.quick, seed=args.seed, dp=dp, scenarios=(scenario,))
     out = args.out or Path("runs") / NAME
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(data, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""``fairserve-apps`` in quick mode, through the command line (one run shared by the tests).
+"""``fairserve-apps`` in quick mode: the default (``paper``) scenario through the command line,
+today's two scenarios through ``run`` (one run each, shared by the tests).
 
 What must hold by construction is asserted; the issue's performance targets are reported in
 the run's ``claims`` (docs/fairserve.md records them) and are not asserted here.
@@ -33,8 +34,11 @@ FIELDS = (
 )
 
 
+TODAY = ("benign-overload", "abuse-overload")
+
+
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def paper(tmp_path_factory):
     out = tmp_path_factory.mktemp("fairserve")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -43,6 +47,16 @@ def result(tmp_path_factory):
     data = json.loads(buf.getvalue())
     assert json.loads((out / "results.json").read_text()) == data
     return data
+
+
+@pytest.fixture(scope="module")
+def result():
+    return fairserve.run(quick=True, scenarios=TODAY)
+
+
+@pytest.fixture(scope="module")
+def every_row(paper, result):
+    return paper["rows"] + result["rows"]
 
 
 def test_the_workload_has_the_issues_shape():
@@ -57,16 +71,30 @@ def test_the_workload_has_the_issues_shape():
     assert min(sizes["tot"]) >= 4 and min(sizes["judge"]) >= 3
 
 
-def scenario_rows(result, scenario):
-    return {r["policy"]: r for r in result["rows"] if r["scenario"] == scenario}
+def scenario_rows(rows, scenario):
+    return {r["policy"]: r for r in rows if r["scenario"] == scenario}
 
 
-def test_rows_carry_every_field_for_every_policy_and_scenario(result):
-    assert [r["scenario"] for r in result["rows"]] == [
-        s for s in fairserve.SCENARIOS for _ in range(4)
-    ]
+def test_the_default_scenario_is_the_papers(paper):
+    assert [r["scenario"] for r in paper["rows"]] == ["paper"] * 4
+    assert {c["scenario"] for c in paper["claims"]} == {"paper"}
+    assert all("paper" in c and "(paper: " in c["detail"] for c in paper["claims"])
+    assert list(paper["scenarios"]) == ["paper"]
+    users = fairserve.make_users(np.random.default_rng(0))
+    inters = fairserve.make_interactions(users, fairserve.QUICK_DURATION_S, 0, "paper")
+    limit = fairserve.benign_rpm_limit(inters, fairserve.QUICK_DURATION_S)
+    assert paper["scenarios"]["paper"]["rpm_limit_per_min"] == limit
+    assert result_limits(paper) == {"paper": limit}
+
+
+def result_limits(data):
+    return {k: v["rpm_limit_per_min"] for k, v in data["scenarios"].items()}
+
+
+def test_rows_carry_every_field_for_every_policy_and_scenario(result, every_row):
+    assert [r["scenario"] for r in result["rows"]] == [s for s in TODAY for _ in range(4)]
     for scenario in fairserve.SCENARIOS:
-        rows = scenario_rows(result, scenario)
+        rows = scenario_rows(every_row, scenario)
         assert list(rows) == ["rpm", "vtc", "fairserve-w", "fairserve"]
         for row in rows.values():
             assert set(FIELDS) <= set(row), set(FIELDS) - set(row)
@@ -74,14 +102,15 @@ def test_rows_carry_every_field_for_every_policy_and_scenario(result):
     assert result["claims"] and all(
         {"scenario", "text", "passed", "detail"} <= set(c) for c in result["claims"]
     )
-    assert {c["scenario"] for c in result["claims"]} == set(fairserve.SCENARIOS)
+    assert {c["scenario"] for c in result["claims"]} == set(TODAY)
+    assert result_limits(result) == {s: 20 for s in TODAY}  # rpm's own default there
 
 
 def test_each_scenario_has_the_load_it_claims(result):
     """Offered vs served: both scenarios are overloaded for every policy in their first half;
     in abuse-overload the benign users alone would fit. Seed 0, quick: deterministic."""
     offered = result["offered"]
-    assert set(offered) == set(fairserve.SCENARIOS)
+    assert set(offered) == set(TODAY)
     assert (
         offered["abuse-overload"]["overloaded_benign_tok_s"]
         < offered["benign-overload"]["overloaded_benign_tok_s"]
@@ -107,8 +136,8 @@ def test_offered_load_counts_expected_tokens_per_phase():
 
 
 @pytest.mark.parametrize("scenario", list(fairserve.SCENARIOS))
-def test_what_holds_by_construction(result, scenario):
-    rows = scenario_rows(result, scenario)
+def test_what_holds_by_construction(every_row, scenario):
+    rows = scenario_rows(every_row, scenario)
     fs = rows["fairserve"]
     assert fs["tokens_wasted"] == 0  # OIT never throttles mid-interaction
     assert fs["throttled_while_underloaded"] == 0
@@ -135,6 +164,23 @@ def test_cluster_flags_are_refused(capsys):
     assert "--dp" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["s1", "none", "Paper", ""])
+def test_a_bad_scenario_is_one_line_exit_2(capsys, bad):
+    assert main(["run", "fairserve-apps", "--quick", "--scenario", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--scenario" in err and "paper" in err, err
+    assert "benign-overload" in err and "abuse-overload" in err
+
+
+def test_the_cluster_experiments_keep_their_scenarios(capsys):
+    """``--scenario paper`` is fairserve-apps's; a cluster experiment still wants s1|s2|none."""
+    from sgl_fair.experiment.cluster import EXPERIMENTS
+
+    name = next(iter(EXPERIMENTS))
+    assert main(["run", name, "--quick", "--scenario", "paper"]) == 2
+    assert "s1, s2 or none" in capsys.readouterr().err
+
+
 def test_over_a_cluster_the_router_throttles_the_abusers_only():
     """``--dp 2``: two copies of the users behind the router; fairserve's OIT runs at the
     router over the cluster's load and throttles abusers only, wasting nothing; vtc throttles
@@ -146,8 +192,7 @@ def test_over_a_cluster_the_router_throttles_the_abusers_only():
     from sgl_fair.experiment.fairserve_cluster import run_case_cluster, scaled_users
 
     users = scaled_users(fairserve.make_users(np.random.default_rng(0)), 2)
-    factor = fairserve.SCENARIOS["benign-overload"]
-    inters = fairserve.make_interactions(users, 150.0, 0, factor)
+    inters = fairserve.make_interactions(users, 150.0, 0, "benign-overload")
     cases = {c.label: c for c in fairserve.policies()}
     vtc = run_case_cluster(cases["vtc"], inters, 150.0, 0, 2, "benign-overload")
     fs = run_case_cluster(cases["fairserve"], inters, 150.0, 0, 2, "benign-overload")
