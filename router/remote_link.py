@@ -53,6 +53,8 @@ class _Sender:
 
 
 class RemoteLink:
+    MAX_BACKOFF_S = 10.0
+
     def __init__(
         self,
         service: Any,
@@ -72,6 +74,7 @@ class RemoteLink:
         self.keys = keys
         self.attach_period_s = attach_period_s
         self.num_frames = 0
+        self.backoff_s = attach_period_s  # the health check's period now
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -86,6 +89,8 @@ class RemoteLink:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)  # zmq's own reconnects back off too
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.MAX_BACKOFF_S * 1000))
         self.sub = svc.actx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.RCVHWM, 0)
@@ -108,10 +113,18 @@ class RemoteLink:
         svc._tasks.extend(self._tasks)  # the service's close cancels them
 
     async def _attach_loop(self) -> None:
+        """The health check: ``Attach`` every period while the worker is up; while it is
+        down (never up, or dead) the period doubles up to ``MAX_BACKOFF_S``, and comes back
+        to ``attach_period_s`` once it says Hello."""
         while True:
             with contextlib.suppress(zmq.Again):
                 zmq.Socket.send(self.sock, attach(self.name), zmq.NOBLOCK)
-            await asyncio.sleep(self.attach_period_s)
+            w = self.service.workers.get(self.wid)
+            if w is None or w.alive:
+                self.backoff_s = self.attach_period_s
+            else:
+                self.backoff_s = min(self.MAX_BACKOFF_S, 2 * self.backoff_s)
+            await asyncio.sleep(self.backoff_s)
 
     async def _recv_loop(self) -> None:
         sock, wid, svc = self.sock, self.wid, self.service

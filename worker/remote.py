@@ -12,6 +12,7 @@ replica is refused (``Finished(REJECTED)``), never mixed up.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections import defaultdict
@@ -190,13 +191,20 @@ class RemoteWorker(LiveWorker):
 
 
 def remote_worker_main(
-    cfg: LiveWorkerConfig, bind: str, keys: ServerKeys | None = None, ready: Any = None
+    cfg: LiveWorkerConfig,
+    bind: str,
+    keys: ServerKeys | None = None,
+    ready: Any = None,
+    watch_parent: bool = False,
 ) -> None:
-    """Process entry point: serve until SIGINT/SIGTERM. ``ready``: an Event set once bound."""
+    """Process entry point: serve until SIGINT/SIGTERM. ``ready``: an Event set once bound;
+    ``watch_parent``: stop when the process that started this one exits (a launcher's)."""
     logging.basicConfig(
         level=cfg.log_level.upper(), format=f"%(asctime)s worker{cfg.wid} %(levelname)s %(message)s"
     )
     worker = RemoteWorker(cfg, bind, keys=keys)
+    if watch_parent:
+        worker.parent = os.getppid()
 
     def stop(*_: Any) -> None:
         worker.running = False

@@ -1,0 +1,185 @@
+"""Workers joining and leaving a running router: remote endpoints added and removed, draining.
+
+``Membership`` sits beside a ``RouterService`` (``router/service.py``) and owns its remote
+links (``router/remote_link.py``). A worker is, as ``/server_info`` and ``GET /workers``
+show it::
+
+    starting   linked, has not said Hello yet (health checks back off while it is silent)
+    ready      takes requests
+    draining   takes no new requests; the ones on it finish; then it is removed
+    dead       was up, is not now (silent, or its connection gone); checked with backoff,
+               ready again once it answers
+
+``add(endpoint)`` links a new worker (the next free id); ``remove(wid)`` drains it first
+(rolling restarts: drain, restart, add) unless ``drain=False``, which removes it at once —
+its requests move to other workers as a dead worker's do (re-dispatched when none of their
+tokens reached the client yet, else failed). A drain that outlasts ``drain_timeout_s`` ends
+the same way. The launcher's own workers can be drained but not removed (their processes are
+the launcher's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_fair.remote import ClientKeys, parse_tcp
+from sgl_fair.router.remote_link import RemoteLink
+
+log = logging.getLogger("sgl_fair.router")
+
+
+class MembershipError(ValueError):
+    """A membership change that cannot be made; ``status`` is its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Member:
+    wid: int
+    endpoint: str | None  # None: the launcher's own worker
+    link: RemoteLink | None = None
+    draining_since: float | None = None
+
+
+class Membership:
+    def __init__(
+        self,
+        service: Any,
+        *,
+        name: str = "router",
+        keys: ClientKeys | None = None,
+        drain_timeout_s: float = 300.0,
+        period_s: float = 0.2,
+    ) -> None:
+        self.service = service
+        self.name = name
+        self.keys = keys
+        self.drain_timeout_s = drain_timeout_s
+        self.period_s = period_s
+        self.members: dict[int, Member] = {w: Member(w, None) for w in service.workers}
+        self.num_added = 0
+        self.num_removed = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="membership")
+        self.service._tasks.append(self._task)
+
+    # ---- changes ----------------------------------------------------------------------------
+
+    def add(self, endpoint: str) -> int:
+        """Link the worker at ``endpoint`` (``tcp://HOST:PORT``); returns its id."""
+        try:
+            parse_tcp(endpoint, "endpoint")
+        except ValueError as e:
+            raise MembershipError(str(e)) from None
+        for m in self.members.values():
+            if m.endpoint == endpoint:
+                raise MembershipError(f"endpoint: {endpoint} is worker {m.wid} already", 409)
+        wid = max([*self.service.workers, *self.members, -1]) + 1
+        link = RemoteLink(self.service, wid, endpoint, name=self.name, keys=self.keys)
+        link.start()
+        self.members[wid] = Member(wid, endpoint, link)
+        self.num_added += 1
+        log.warning("worker %d added: %s", wid, endpoint)
+        return wid
+
+    def drain(self, wid: int) -> None:
+        """No new requests for ``wid``; the ones on it finish."""
+        m = self._member(wid)
+        if m.draining_since is None:
+            m.draining_since = self.service.clock()
+            self.service.router.drain_worker(wid)
+            log.warning("worker %d draining (%d in flight)", wid, self.in_flight(wid))
+
+    async def remove(self, wid: int, *, drain: bool = True) -> None:
+        """Drain then remove ``wid`` (returns at once; ``_loop`` finishes it), or remove it
+        now (``drain=False``)."""
+        m = self._member(wid)
+        if m.link is None:
+            raise MembershipError(
+                f"worker {wid} is the launcher's own: it can be drained, not removed", 409
+            )
+        if drain:
+            self.drain(wid)
+        else:
+            await self._finish(m, "removed without draining")
+
+    def _member(self, wid: int) -> Member:
+        m = self.members.get(wid)
+        if m is None:
+            raise MembershipError(f"no worker {wid}", 404)
+        return m
+
+    def in_flight(self, wid: int) -> int:
+        return sum(1 for c in self.service.calls.values() if c.worker == wid)
+
+    async def _finish(self, m: Member, why: str) -> None:
+        svc = self.service
+        if m.wid in svc.workers and svc.workers[m.wid].alive:
+            svc.worker_dead(m.wid, why)  # what is still on it moves on, or fails
+        if m.link is not None:
+            await m.link.close()
+        svc.router.remove_worker(m.wid)
+        svc.workers.pop(m.wid, None)
+        self.members.pop(m.wid, None)
+        self.num_removed += 1
+        log.warning("worker %d removed (%s)", m.wid, why)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            now = self.service.clock()
+            for m in list(self.members.values()):
+                if m.draining_since is None or m.link is None:
+                    continue
+                if self.in_flight(m.wid) == 0:
+                    await self._finish(m, "drained")
+                elif now - m.draining_since > self.drain_timeout_s:
+                    await self._finish(m, f"drain timed out after {self.drain_timeout_s:.0f}s")
+
+    async def close(self) -> None:
+        for m in list(self.members.values()):
+            if m.link is not None:
+                with contextlib.suppress(Exception):
+                    await m.link.close()
+
+    # ---- views ------------------------------------------------------------------------------
+
+    def state(self, wid: int) -> str:
+        m = self.members.get(wid)
+        w = self.service.workers.get(wid)
+        if m is not None and m.draining_since is not None:
+            return "draining"
+        if w is None or not w.ever_ready:
+            return "starting"
+        return "ready" if w.alive else "dead"
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        now = self.service.clock()
+        for wid in sorted(self.members):
+            m, w = self.members[wid], self.service.workers.get(wid)
+            row: dict[str, Any] = {
+                "id": wid,
+                "endpoint": m.endpoint or "local",
+                "state": self.state(wid),
+                "in_flight": self.in_flight(wid),
+            }
+            if w is not None:
+                seen = round(now - w.last_seen, 3) if w.last_seen else None
+                row.update(pid=w.pid, engine=w.engine, death=w.death, seen_s_ago=seen)
+            if m.link is not None:
+                row["health_check_period_s"] = m.link.backoff_s
+            out.append(row)
+        return out
+
+
+__all__ = ["Member", "Membership", "MembershipError"]

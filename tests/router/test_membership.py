@@ -1,0 +1,99 @@
+"""Membership at run time (``router/membership.py``) on real worker processes over tcp.
+
+A worker added to a running router takes requests once it says Hello; a drained worker takes
+no new ones while its own finish, then it is removed; one removed without draining has its
+requests moved to the others; an endpoint nobody serves stays ``starting`` and its health
+checks back off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+
+import pytest
+
+from sgl_fair.request import Request
+from sgl_fair.router import Router, make_router_policy
+from sgl_fair.router.membership import Membership, MembershipError
+from sgl_fair.router.service import RouterService
+from sgl_fair.transport import Endpoints
+from tests.worker.test_remote_worker import free_port_pair, start_worker
+
+
+def req(rid: str, n: int = 6) -> Request:
+    return Request(rid=rid, client="c", input_ids=tuple(range(500, 540)), output_len=n,
+                   arrival_s=time.time())  # fmt: skip
+
+
+@pytest.fixture
+def two_workers():
+    ports = [free_port_pair(), free_port_pair()]
+    procs = [start_worker(p, "--time-scale", "1", "--sim-eos", "off") for p in ports]
+    yield [f"tcp://127.0.0.1:{p}" for p in ports]
+    for p in procs:
+        p.kill()
+        p.wait(5)
+
+
+def service() -> tuple[RouterService, Membership]:
+    svc = RouterService(
+        Router(make_router_policy("rr"), 1),
+        Endpoints.ipc(tempfile.mkdtemp(prefix="sgl-fair-m-")),
+        0,
+        heartbeat_timeout_s=2.0,
+    )
+    return svc, Membership(svc, name="t", period_s=0.05)
+
+
+async def until(cond, timeout_s: float = 10.0) -> None:
+    end = time.time() + timeout_s
+    while not cond():
+        assert time.time() < end, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_remove_without_draining_moves_requests(two_workers) -> None:
+    a_ep, b_ep = two_workers
+
+    async def main() -> None:
+        svc, m = service()
+        await svc.start()
+        m.start()
+        a, b = m.add(a_ep), m.add(b_ep)
+        await until(lambda: m.state(a) == m.state(b) == "ready")
+        calls = [svc.submit(req(f"r{i}", 40), "t") for i in range(2)]
+        on_b = next(c for c in calls if c.worker == b)
+        await m.remove(b, drain=False)
+        assert b not in m.members and svc.router.workers == (a,)
+        await until(lambda: all(c.done.is_set() for c in calls))
+        # on_b had streamed nothing to a client: it moved to a and finished there
+        assert on_b.worker == a and on_b.finished is not None and on_b.finished.ok
+        with pytest.raises(MembershipError) as gone:
+            await m.remove(b)
+        assert gone.value.status == 404
+        await m.close()
+        await svc.close()
+
+    asyncio.run(main())
+
+
+def test_an_endpoint_nobody_serves_is_starting_and_backs_off() -> None:
+    async def main() -> None:
+        svc, m = service()
+        await svc.start()
+        m.start()
+        wid = m.add(f"tcp://127.0.0.1:{free_port_pair()}")
+        link = m.members[wid].link
+        link.attach_period_s = link.backoff_s = 0.05
+        await asyncio.sleep(0.6)
+        row = next(r for r in m.describe() if r["id"] == wid)
+        assert row["state"] == "starting" and row["health_check_period_s"] >= 0.4
+        with pytest.raises(MembershipError) as bad:
+            m.add("127.0.0.1:1")
+        assert bad.value.status == 400 and "tcp://HOST:PORT" in str(bad.value)
+        await m.close()
+        await svc.close()
+
+    asyncio.run(main())
