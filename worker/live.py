@@ -34,10 +34,9 @@ from sgl_fair.messages import Abort, Dispatch, FlushCache, Flushed, Hello, Shutd
 from sgl_fair.policies import make_policy
 from sgl_fair.request import Request
 from sgl_fair.transport import Endpoints, WireError, decode, encode
+from sgl_fair.worker.builder import build_worker, engine_kind
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.service import WorkerCore
-from sgl_fair.worker.sim.cost_model import CostModel
-from sgl_fair.worker.sim.runner import make_sim_worker
 from sgl_fair.worker.sim.text import EosLengths, TextModel
 
 log = logging.getLogger("sgl_fair.worker")
@@ -76,51 +75,23 @@ class LiveWorkerConfig:
     kv_allocator_opts: dict[str, Any] = field(default_factory=dict)
 
 
+# The torch engine's pool when ``kv_tokens`` is not given: torch_engine.runner's
+# LIVE_DEFAULT_KV_TOKENS, repeated here because importing that module imports torch.
 TORCH_DEFAULT_KV_TOKENS = 16384
 
 
-def build_torch_core(cfg: LiveWorkerConfig) -> WorkerCore:
-    """A worker on the torch engine (``backend="torch"``): imports torch here only."""
-    import torch
-
-    from sgl_fair.worker.torch_engine.runner import load_model, make_torch_worker
-
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
-    model = load_model(
-        cfg.model, dtype=cfg.torch_dtype, device=cfg.torch_device, vocab_size=cfg.vocab_size
-    )
-    sched, engine = make_torch_worker(
-        policy=make_policy(cfg.policy, **cfg.policy_opts),
-        model=model,
-        allocator=cfg.kv_allocator,
-        allocator_opts=cfg.kv_allocator_opts,
-        kv_tokens=cfg.kv_tokens or TORCH_DEFAULT_KV_TOKENS,
-        config=cfg.scheduler,
-        attention=cfg.torch_attention,
-        eos_token_id=cfg.eos_token_id,
-        vocab_limit=cfg.vocab_size,
-    )
-    return WorkerCore(
-        cfg.wid, sched, engine, load_interval_s=cfg.load_interval_s, report_evictions=False,
-        kv_changes=True, keep_log=False,
-    )  # fmt: skip
-
-
 def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
-    if cfg.backend == "torch":
-        return build_torch_core(cfg)
-    cost = CostModel.from_names(cfg.gpu, cfg.model, tp=cfg.tp)
-    sched, engine = make_sim_worker(
+    """The worker on engine ``cfg.backend`` (``worker.builder``'s registry: ``sim`` or
+    ``torch``, which imports torch only when asked for); its kind reads what it needs from
+    ``cfg``."""
+    kind = engine_kind(cfg.backend)
+    sched, engine = build_worker(
         policy=make_policy(cfg.policy, **cfg.policy_opts),
-        cost_model=cost,
-        kv_tokens=cfg.kv_tokens,
+        engine=cfg.backend,
         config=cfg.scheduler,
-        token_range=cfg.token_range,
-        text=cfg.text,
-        eos_token_id=cfg.eos_token_id if cfg.eos_lengths is not None else None,
         allocator=cfg.kv_allocator,
         allocator_opts=cfg.kv_allocator_opts,
+        **kind.live_parts(cfg),
     )
     return WorkerCore(
         cfg.wid,
@@ -148,7 +119,7 @@ class LiveWorker:
             raise ValueError(f"time_scale must be > 0 (got {scale})")
         self._wall_per_sim = 0.0 if math.isinf(scale) else 1.0 / scale
         # A real engine's step has taken its time when run() returns: do not wait it again.
-        self.synchronous = bool(getattr(self.core.engine, "synchronous", False))
+        self.synchronous = engine_kind(cfg.backend).synchronous
         if self.synchronous:
             self._wall_per_sim = 0.0
 
@@ -267,9 +238,7 @@ class LiveWorker:
                 break
 
     def engine_name(self) -> str:
-        if self.cfg.backend == "torch":
-            return f"torch {self.cfg.model} ({self.cfg.torch_attention}, {self.cfg.torch_dtype})"
-        return f"sim {self.cfg.gpu} {self.cfg.model}"
+        return engine_kind(self.cfg.backend).describe(self.cfg)
 
     def close(self) -> None:
         for sock in (self.inbox, self.outbox, self.kv_pub):

@@ -20,9 +20,12 @@ with that id, as a model's output ends with EOS.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 from sgl_fair.request import Request
 from sgl_fair.worker.engine import Batch, Logprobs, StepResult
+from sgl_fair.worker.kv.base import KVAllocator
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.text import TextModel
 
@@ -114,3 +117,46 @@ class SimEngine:
                 rows.append(tuple(alts))
             top = tuple(rows)
         return Logprobs(inputs, outputs, top)
+
+
+class SimEngineKind:
+    """The simulated engine in the worker builder's registry (``worker.builder``): a
+    count-only KV cache, the pool derived from the cost model's memory, durations from it."""
+
+    @dataclass(frozen=True)
+    class Config:
+        token_range: tuple[int, int] | None = None
+        text: TextModel | None = None
+        eos_token_id: int | None = None
+
+    exact_kv = False
+    synchronous = False
+
+    def default_cost_model(self) -> CostModel:
+        raise ValueError("the sim engine needs a cost_model (its step durations)")
+
+    def default_kv_tokens(self, cost_model: CostModel) -> int:
+        return cost_model.kv_capacity_tokens()
+
+    def make_engine(
+        self, config: Config, scheduler: Any, allocator: KVAllocator, cost_model: CostModel
+    ) -> SimEngine:
+        return SimEngine(
+            cost_model,
+            token_range=config.token_range,
+            text=config.text,
+            eos_token_id=config.eos_token_id,
+        )
+
+    def live_parts(self, cfg: Any) -> dict[str, Any]:
+        """``build_worker`` arguments for a live worker's config (``worker.live``): the EOS id
+        only where the model stops on its own (``eos_lengths``)."""
+        eos = cfg.eos_token_id if cfg.eos_lengths is not None else None
+        return {
+            "cost_model": CostModel.from_names(cfg.gpu, cfg.model, tp=cfg.tp),
+            "kv_tokens": cfg.kv_tokens,
+            "engine_opts": {"token_range": cfg.token_range, "text": cfg.text, "eos_token_id": eos},
+        }
+
+    def describe(self, cfg: Any) -> str:
+        return f"sim {cfg.gpu} {cfg.model}"

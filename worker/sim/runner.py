@@ -1,10 +1,5 @@
-"""Discrete-event driver: one worker in virtual time.
-
-Time only moves by engine step durations and by jumping to the next arrival
-when the worker is idle, so a 10-minute experiment takes seconds of CPU.
-Arrivals that land during a step join the queue at the step's end, as they
-would in a live continuous-batching loop.
-"""
+"""One simulated worker (``make_sim_worker``) and open-loop requests through it in virtual
+time (``simulate``, on the one simulation loop: ``sim.loop``)."""
 
 from __future__ import annotations
 
@@ -15,12 +10,12 @@ from dataclasses import dataclass
 from sgl_fair.policies.base import Policy
 from sgl_fair.records import RequestRecord
 from sgl_fair.request import Request
+from sgl_fair.worker.builder import build_worker
 from sgl_fair.worker.engine import Engine
-from sgl_fair.worker.kv.prefix_cache import PrefixKVCache
-from sgl_fair.worker.kv.registry import make_allocator
 from sgl_fair.worker.scheduler import RunLog, Scheduler, SchedulerConfig, SchedulerStats
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.engine import SimEngine
+from sgl_fair.worker.sim.loop import OpenArrivals, SimLoop
 from sgl_fair.worker.sim.text import TextModel
 
 
@@ -57,13 +52,21 @@ def make_sim_worker(
     text: TextModel | None = None,
     eos_token_id: int | None = None,
 ) -> tuple[Scheduler, SimEngine]:
-    """A scheduler + simulated engine pair; the KV pool is derived from memory unless given.
-    ``allocator``: the KV allocator's registry name (``sgl_fair.worker.kv.allocator_names``)
-    with its ``allocator_opts``."""
-    capacity = kv_tokens if kv_tokens is not None else cost_model.kv_capacity_tokens()
-    kv = PrefixKVCache(make_allocator(allocator, capacity, **(allocator_opts or {})))
-    engine = SimEngine(cost_model, token_range=token_range, text=text, eos_token_id=eos_token_id)
-    scheduler = Scheduler(policy=policy, kv=kv, config=config, cost=cost_model.step_time)
+    """A scheduler + simulated engine pair (``worker.builder.build_worker`` with the ``sim``
+    engine); the KV pool is derived from memory unless given. ``allocator``: the KV
+    allocator's registry name (``sgl_fair.worker.kv.allocator_names``) with its
+    ``allocator_opts``."""
+    scheduler, engine = build_worker(
+        policy=policy,
+        engine="sim",
+        engine_opts={"token_range": token_range, "text": text, "eos_token_id": eos_token_id},
+        cost_model=cost_model,
+        kv_tokens=kv_tokens,
+        allocator=allocator,
+        allocator_opts=allocator_opts,
+        config=config,
+    )
+    assert isinstance(engine, SimEngine)
     return scheduler, engine
 
 
@@ -75,45 +78,22 @@ def simulate(
     until_s: float | None = None,
     check_every: int = 0,
 ) -> SimResult:
-    """Run ``requests`` through one worker until all finish (or virtual time ``until_s``).
+    """Run ``requests`` through one worker until all finish (or virtual time ``until_s``):
+    the simulation loop (``sim.loop.SimLoop``) over open-loop arrivals.
 
     ``check_every=k`` calls ``scheduler.check_invariants()`` every k steps (tests).
     """
-    arrivals = sorted(requests, key=Request.arrival_key)
+    arrivals = OpenArrivals(requests)
     wall0 = time.perf_counter()
-    now = 0.0
-    i, n = 0, len(arrivals)
-    num_steps = 0
-    busy_s = 0.0
-    while True:
-        while i < n and arrivals[i].arrival_s <= now:
-            scheduler.add_request(arrivals[i], arrivals[i].arrival_s)
-            i += 1
-        if until_s is not None and now >= until_s:
-            break
-        batch = scheduler.step(now)
-        if batch is None:
-            if i < n:
-                now = arrivals[i].arrival_s
-                continue
-            break
-        result = engine.run(batch)
-        now += result.duration_s
-        busy_s += result.duration_s
-        scheduler.apply(result, now)
-        num_steps += 1
-        if check_every and num_steps % check_every == 0:
-            scheduler.check_invariants()
-    if check_every:
-        scheduler.check_invariants()
+    loop = SimLoop(scheduler, engine, arrivals, until_s=until_s, check_every=check_every).run()
     unfinished = len(scheduler.waiting) + len(scheduler.running) + (scheduler.chunked is not None)
     return SimResult(
         log=scheduler.log,
-        submitted=arrivals[:i],
-        t_end_s=now,
+        submitted=arrivals.released,
+        t_end_s=loop.now,
         wall_s=time.perf_counter() - wall0,
-        busy_s=busy_s,
+        busy_s=loop.busy_s,
         stats=scheduler.stats,
         kv_capacity_tokens=scheduler.kv.capacity_tokens,
-        unfinished=unfinished + (n - i),
+        unfinished=unfinished + arrivals.num_pending,
     )

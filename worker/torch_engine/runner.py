@@ -1,4 +1,5 @@
-"""A scheduler + torch engine pair (``make_torch_worker``), as ``make_sim_worker`` for the sim.
+"""The torch engine's kind in the worker builder (``TorchEngineKind``) and its scheduler +
+engine pair (``make_torch_worker``), as ``make_sim_worker`` for the sim.
 
 The scheduler's KV cache runs ``exact``: every token's KV lives at the allocator's slot, so
 the engine reads ``scheduler.kv_slots(req)`` for the flat slots of a request's positions.
@@ -9,14 +10,15 @@ Iteration costs for batch-selecting policies (BROS) still come from a cost model
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sgl_fair.policies.base import Policy
+from sgl_fair.worker.builder import build_worker
 from sgl_fair.worker.kv.prefix_cache import PrefixKVCache
-from sgl_fair.worker.kv.registry import make_allocator
 from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.torch_engine.engine import TorchEngine
@@ -24,6 +26,7 @@ from sgl_fair.worker.torch_engine.model import LlamaConfig, LlamaModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}  # fmt: skip
+DEFAULT_KV_TOKENS = 4096
 
 
 def exact_kv_supported() -> bool:
@@ -55,7 +58,7 @@ def make_torch_worker(
     policy: Policy,
     model: LlamaModel,
     allocator: str = "token",
-    kv_tokens: int = 4096,
+    kv_tokens: int = DEFAULT_KV_TOKENS,
     config: SchedulerConfig | None = None,
     allocator_opts: dict | None = None,
     attention: str = "reference",
@@ -64,28 +67,94 @@ def make_torch_worker(
     cost_model: CostModel | None = None,
 ) -> tuple[Scheduler, TorchEngine]:
     """A scheduler over an exact prefix cache and a ``TorchEngine`` whose KV pools are the
-    allocator's slots (``kv_tokens`` of them; the bidirectional allocator's host slots too)."""
-    if not exact_kv_supported():
-        raise RuntimeError(
-            "the torch engine needs Scheduler.kv_slots and PrefixKVCache(exact=True) (the exact "
-            "KV cache), which this tree does not have yet"
-        )
-    alloc = make_allocator(allocator, kv_tokens, **(allocator_opts or {}))
-    kv: Any = PrefixKVCache(alloc, exact=True)
-    cost = cost_model or CostModel.from_names("H100-80GB", "Llama-3.1-8B")
-    scheduler = Scheduler(policy=policy, kv=kv, config=config, cost=cost.step_time)
-    block_size = int(getattr(alloc, "block_size", 1))
-    host = getattr(alloc, "host_capacity_tokens", None)
-    if host is None:
-        host = alloc.capacity_tokens if getattr(alloc, "restore_plan", None) else 0
-    engine = TorchEngine(
-        model,
-        kv_slots=scheduler.kv_slots,
-        num_device_slots=alloc.capacity_tokens,
-        block_size=block_size,
-        host_slots=int(host),
-        attention=attention,
-        eos_token_id=eos_token_id,
-        vocab_limit=vocab_limit,
+    allocator's slots (``kv_tokens`` of them; the bidirectional allocator's host slots too):
+    ``worker.builder.build_worker`` with the ``torch`` engine."""
+    scheduler, engine = build_worker(
+        policy=policy,
+        engine="torch",
+        engine_opts={
+            "model": model,
+            "attention": attention,
+            "eos_token_id": eos_token_id,
+            "vocab_limit": vocab_limit,
+        },
+        cost_model=cost_model,
+        kv_tokens=kv_tokens,
+        allocator=allocator,
+        allocator_opts=allocator_opts,
+        config=config,
     )
+    assert isinstance(engine, TorchEngine)
     return scheduler, engine
+
+
+# A live worker's KV pool when its config gives none (``worker.live``).
+LIVE_DEFAULT_KV_TOKENS = 16384
+
+
+class TorchEngineKind:
+    """The torch engine in the worker builder's registry (``worker.builder``): an exact KV
+    cache whose slots are the engine's KV pools; iteration costs for batch-selecting
+    policies (BROS) from a cost model, by default the simulator's H100 / Llama-3.1-8B."""
+
+    @dataclass(frozen=True)
+    class Config:
+        model: LlamaModel | None = None
+        attention: str = "reference"
+        eos_token_id: int | None = None
+        vocab_limit: int | None = None
+
+    exact_kv = True
+    synchronous = True  # run() returns after the step: its duration has already elapsed
+
+    def default_cost_model(self) -> CostModel:
+        return CostModel.from_names("H100-80GB", "Llama-3.1-8B")
+
+    def default_kv_tokens(self, cost_model: CostModel) -> int:
+        return DEFAULT_KV_TOKENS
+
+    def make_engine(
+        self, config: Config, scheduler: Scheduler, allocator: Any, cost_model: CostModel
+    ) -> TorchEngine:
+        if not exact_kv_supported():
+            raise RuntimeError(
+                "the torch engine needs Scheduler.kv_slots and PrefixKVCache(exact=True) (the "
+                "exact KV cache), which this tree does not have yet"
+            )
+        if config.model is None:
+            raise ValueError("the torch engine needs a model (engine_opts model=)")
+        block_size = int(getattr(allocator, "block_size", 1))
+        host = getattr(allocator, "host_capacity_tokens", None)
+        if host is None:
+            host = allocator.capacity_tokens if getattr(allocator, "restore_plan", None) else 0
+        return TorchEngine(
+            config.model,
+            kv_slots=scheduler.kv_slots,
+            num_device_slots=allocator.capacity_tokens,
+            block_size=block_size,
+            host_slots=int(host),
+            attention=config.attention,
+            eos_token_id=config.eos_token_id,
+            vocab_limit=config.vocab_limit,
+        )
+
+    def live_parts(self, cfg: Any) -> dict[str, Any]:
+        """``build_worker`` arguments for a live worker's config (``worker.live``): loads the
+        model (``cfg.model``: a preset or a checkpoint directory) on ``cfg.torch_device``."""
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        model = load_model(
+            cfg.model, dtype=cfg.torch_dtype, device=cfg.torch_device, vocab_size=cfg.vocab_size
+        )
+        return {
+            "kv_tokens": cfg.kv_tokens or LIVE_DEFAULT_KV_TOKENS,
+            "engine_opts": {
+                "model": model,
+                "attention": cfg.torch_attention,
+                "eos_token_id": cfg.eos_token_id,
+                "vocab_limit": cfg.vocab_size,
+            },
+        }
+
+    def describe(self, cfg: Any) -> str:
+        return f"torch {cfg.model} ({cfg.torch_attention}, {cfg.torch_dtype})"
