@@ -120,7 +120,7 @@ def _grow(sched: Scheduler, decode: list[Request]) -> tuple[list[Request], int |
             try:
                 sched.kv.allocate(req, 1)  # checks before it changes anything
             except OutOfMemory:
-                if not _retract_paused(sched, decode):
+                if not _retract_paused(sched, decode, req):
                     break
             else:
                 ready.append(req)
@@ -138,14 +138,18 @@ def _grow_resident(sched: Scheduler, decode: list[Request]) -> list[Request]:
         k = sched.kv.allocate_each(todo[i:])
         ready.extend(todo[i : i + k])
         i += k
-        if i < len(todo) and not _retract_paused(sched, decode):
-            i += 1  # no room for it: it sits out
+        if i < len(todo) and not _retract_paused(sched, decode, todo[i]):
+            i += 1  # no room for it: it sits out (or was retracted itself)
     return ready
 
 
-def _retract_paused(sched: Scheduler, decode: list[Request]) -> bool:
+def _retract_paused(sched: Scheduler, decode: list[Request], blocked: Request) -> bool:
     """Blocks, not tokens, may be short: retract one paused request (BE first) for room;
-    False when every running request is a chosen decode."""
+    False when every running request is a chosen decode. A policy that ``recomputes_blocked``
+    (vLLM's way; BROS's "No Bi-cache" baseline) retracts ``blocked`` itself instead: False."""
+    if getattr(sched.policy, "recomputes_blocked", False):
+        sched._retract(blocked)
+        return False
     paused = [r for r in sched.running if r not in decode]
     if not paused:
         return False
@@ -204,7 +208,10 @@ def _short(sched: Scheduler, decode: list[Request]) -> bool:
 
 
 def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
-    """Retract (paused requests first) until every chosen decode can grow by one token."""
+    """Retract (paused requests first) until every chosen decode can grow by one token
+    (none under a policy that ``recomputes_blocked``: ``_grow`` retracts those that cannot)."""
+    if getattr(sched.policy, "recomputes_blocked", False):
+        return decode
     while decode and _short(sched, decode) and len(sched.running) > 1:
         paused = [r for r in sched.running if r not in decode]
         pool = paused or sched.running
