@@ -5,9 +5,10 @@
   next batch submitted when the previous one completes, at each size of ``BE_BATCHES``.
   Policies ``fcfs`` (vLLM-like), ``rr`` (alternate RT/BE each iteration) and ``bros``, all
   on the paged block allocator.
-* ``bros-bicache``: ``bros`` with the bidirectional allocator vs the paged one, on a pool
-  small enough that blocks run out. Paged, an RT request without a free block retracts
-  running BE requests (recompute, BROS's default) or, in a second arm, waits for free blocks.
+* ``bros-bicache``: ``bros`` with the bidirectional allocator vs the paged one in the paper's
+  Fig. 13 setting (OPT-30B TP 4 on 4×A100-40GB), against the paper's "No Bi-cache" (a request
+  that finds no block is recomputed) and our two stronger paged arms (``bros_bicache.py``);
+  ``bros-bicache-llama70b``: the same arms in the earlier Llama-3-70B setting.
 * ``bros-overhead``: ``bros``'s ``select_batch`` time per iteration as a share of the
   iteration time, and on 512 RT + 512 BE candidates.
 
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_fair.experiment import bros_bicache
 from sgl_fair.experiment.bros_workload import (
     B0_8,
     BE_BATCH,
@@ -32,6 +34,7 @@ from sgl_fair.experiment.bros_workload import (
     PAPER_VLLM_TTFT_ATTAIN,
     RATES,
     TP,
+    Setting,
     run_one,
 )
 from sgl_fair.policies import make_policy
@@ -128,49 +131,33 @@ def run_hybrid(quick: bool, seed: int) -> dict[str, Any]:
     return out
 
 
-BICACHE_KV_TOKENS = 12_000  # < one BE batch's KV, so blocks run out and RT must preempt
-# The arms of `bros-bicache`: (allocator, bros options, row fields). Without the bidirectional
-# allocator an RT request that finds no free block takes running BE requests' KV by
-# retracting them (recompute: BROS's default, SPEC §5 l.5), or, as the issue's narrower
-# reading of the baseline, waits for free blocks (`preempt_be: false`).
-BICACHE_ARMS = (
-    ("paged", {}, {"bicache": False, "preempt_be": True}),
-    ("paged", {"preempt_be": False}, {"bicache": False, "preempt_be": False}),
-    ("bidirectional", {}, {"bicache": True, "preempt_be": None}),
-)
-
-
 def run_bicache(quick: bool, seed: int) -> dict[str, Any]:
-    duration = 15.0 if quick else 60.0
-    rates = RATES[1:4:2] if quick else RATES
-    rows = []
-    for rate in rates:
-        for allocator, options, fields in BICACHE_ARMS:
-            row = run_one(
-                "bros", rate, duration, seed, allocator=allocator, kv_tokens=BICACHE_KV_TOKENS,
-                options=options or None,
-            )  # fmt: skip
-            rows.append({**fields, **row})
-    return _result(EXPERIMENTS["bros-bicache"], quick, seed, duration, rows, bicache_claims(rows))
+    """The paper's setting and baseline (``bros_bicache.py``)."""
+    duration, rows, summary = bros_bicache.run_paper(quick, seed)
+    out = _result(EXPERIMENTS["bros-bicache"], quick, seed, duration, rows, summary["claims"])
+    out["worker"] = _worker(bros_bicache.PAPER)
+    out["gains"] = summary["gains"]
+    return out
 
 
-def bicache_claims(rows: Sequence[dict]) -> list[dict[str, Any]]:
-    """The issue's target against each baseline arm; rt_tpot_token_attain is the paper's own
-    reading of TPOT attainment (share of tokens on time) beside the issue's (share of
-    requests whose mean TPOT meets the SLO)."""
-    claims = []
-    for preempt, label in ((True, "RT retracts BE"), (False, "RT waits for free blocks")):
-        for key in ("rt_ttft_attain", "rt_tpot_attain", "rt_tpot_token_attain"):
-            with_ = _mean(rows, key, bicache=True)
-            r = _ratio(with_, _mean(rows, key, bicache=False, preempt_be=preempt))
-            claims.append(
-                _claim(
-                    f"{key} with the bidirectional cache >= 1.15x without (paged; {label})",
-                    r >= 1.15,
-                    f"ratio={r:.3f}",
-                )
-            )
-    return claims
+def run_bicache_llama70b(quick: bool, seed: int) -> dict[str, Any]:
+    duration, rows, summary = bros_bicache.run_llama70b(quick, seed)
+    out = _result(
+        EXPERIMENTS["bros-bicache-llama70b"], quick, seed, duration, rows, summary["claims"]
+    )
+    out["worker"]["kv_tokens"] = bros_bicache.LLAMA70B_KV_TOKENS
+    out["gains"] = summary["gains"]
+    return out
+
+
+def _worker(setting: Setting) -> dict[str, Any]:
+    return {
+        "gpu": setting.gpu,
+        "model": setting.model,
+        "tp": setting.tp,
+        "block_size": BLOCK_SIZE,
+        "kv_tokens": setting.pool_tokens(),
+    }
 
 
 class _View:
@@ -296,8 +283,16 @@ EXPERIMENTS: dict[str, BrosExperiment] = {
         BrosExperiment(
             "bros-bicache",
             "BROS Fig. 13",
-            "bros with vs without the bidirectional KV block allocator on a small pool.",
+            "bros with the bidirectional KV cache vs without (the paper's No Bi-cache: a request "
+            "failing to get a block is recomputed; and our RT-retracts-BE and RT-waits arms), "
+            "OPT-30B TP 4 on 4xA100-40GB, RT 6-14 req/s beside BE batches of 32, 256, 512.",
             run_bicache,
+        ),
+        BrosExperiment(
+            "bros-bicache-llama70b",
+            "BROS Fig. 13 (our earlier setting)",
+            "bros-bicache's four arms on Llama-3-70B TP 8 with a 12,000-token pool, BE batch 32.",
+            run_bicache_llama70b,
         ),
         BrosExperiment(
             "bros-overhead",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sgl_fair.policies import make_policy
@@ -46,8 +47,47 @@ SHAREGPT_OUT = LogNormal(mean=190, sigma=0.9, lo=4, hi=1024)
 BLOCK_SIZE = 16  # SPEC §5 / the paper's §7.1 block size for BROS, vLLM and RR
 
 
-def rt_requests(rate: float, duration_s: float, seed: int) -> list[Request]:
-    spec = ClientSpec("chat", Poisson(rate), SHAREGPT_IN, SHAREGPT_OUT, service_class="rt")
+@dataclass(frozen=True)
+class Setting:
+    """Where a BROS run serves: the engine (GPU, model, TP), the KV pool (``kv_tokens``, or
+    None: from memory at ``kv_mem_fraction``) and the RT chat lengths."""
+
+    name: str
+    gpu: str
+    model: str
+    tp: int
+    rt_in: LogNormal
+    rt_out: LogNormal
+    kv_tokens: int | None = None
+    kv_mem_fraction: float = 0.88
+    # "reserve": our scheduler's admission (SGLang's: a request is admitted when its prompt and
+    # its reserved output fit, running requests' outputs reserved by the new-token ratio);
+    # "prompt": vLLM's (the paper's engine): when its prompt's blocks fit, no output reserved.
+    admission: str = "reserve"
+
+    def config(self) -> SchedulerConfig:
+        if self.admission == "prompt":  # reserve one token of output: the first decode's
+            return SchedulerConfig(clip_max_new_tokens=1)
+        return SchedulerConfig()
+
+    def cost_model(self) -> CostModel:
+        return CostModel.from_names(self.gpu, self.model, self.tp)
+
+    def pool_tokens(self) -> int:
+        if self.kv_tokens is not None:
+            return self.kv_tokens
+        return self.cost_model().kv_capacity_tokens(self.kv_mem_fraction)
+
+
+# Today's setting (`bros-hybrid`, `bros-overhead`, `bros-bicache-llama70b`): the paper's
+# Llama-3-70B engine, the pool from memory unless a run names one.
+LLAMA70B = Setting("llama70b", GPU, MODEL, TP, SHAREGPT_IN, SHAREGPT_OUT)
+
+
+def rt_requests(
+    rate: float, duration_s: float, seed: int, setting: Setting = LLAMA70B
+) -> list[Request]:
+    spec = ClientSpec("chat", Poisson(rate), setting.rt_in, setting.rt_out, service_class="rt")
     return generate([spec], duration_s=duration_s, seed=seed)
 
 
@@ -204,18 +244,20 @@ def run_one(
     kv_tokens: int | None = None,
     options: dict | None = None,
     be_batch: int = BE_BATCH,
+    setting: Setting = LLAMA70B,
+    count_rt_retractions: bool = False,
 ) -> dict[str, Any]:
-    cost_model = CostModel.from_names(GPU, MODEL, TP)
+    cost_model = setting.cost_model()
     allocator_opts = {"block_size": BLOCK_SIZE}
     sched, engine = make_sim_worker(
         policy=make_policy(policy, **(options or {})),
         cost_model=cost_model,
-        kv_tokens=kv_tokens,
-        config=SchedulerConfig(),
+        kv_tokens=kv_tokens if kv_tokens is not None else setting.pool_tokens(),
+        config=setting.config(),
         allocator=allocator,
         allocator_opts=allocator_opts,
     )
-    rt = rt_requests(rate, duration_s, seed)
+    rt = rt_requests(rate, duration_s, seed, setting)
     wall0 = time.perf_counter()
     clock = TokenClock()
     out = drive_hybrid(sched, engine, rt, BEJob(seed, batch_size=be_batch), duration_s, clock)
@@ -226,6 +268,8 @@ def run_one(
     row["be_throughput_tok_s"] = out["be_throughput_tok_s"]
     row["rt_window_tok_s"] = out["rt_window_tok_s"]
     row["num_retractions"] = sched.stats.num_retractions
+    if count_rt_retractions:  # RT requests that lost their KV (recomputed), all told
+        row["rt_retractions"] = sum(r.num_retractions for r in rt)
     row["sched_ms_per_iter"] = round(1e3 * out["step_wall_s"] / max(out["num_steps"], 1), 3)
     row["sched_share_of_iter"] = round(out["step_wall_s"] / max(out["busy_s"], 1e-9), 4)
     row["sim_wall_s"] = round(time.perf_counter() - wall0, 2)

@@ -80,3 +80,35 @@ def test_token_clock_counts_each_rt_token_against_the_tpot_slo():
     assert abs(clock.attainment([a, b]) - (2 / 3) / 2) < 1e-9
     b.finish_s = 2.0  # finished with only its first token: nothing was late
     assert abs(clock.attainment([a, b]) - (2 / 3 + 1) / 2) < 1e-9
+
+
+def test_bicache_rows_carry_their_arm_and_the_claims_the_papers_figures():
+    from sgl_fair.experiment import bros_bicache as bb
+
+    rows = [bb.run_arm(a, 2.0, 2.0, 0, setting=bb.PAPER, be_batch=8) for a in bb.ARM_NAMES]
+    assert [r["arm"] for r in rows] == [
+        "bidirectional", "paged-recompute", "paged-retract-be", "paged-wait"
+    ]  # fmt: skip
+    for r in rows:
+        assert r["setting"] == "paper" and r["admission"] == "prompt" and r["be_batch"] == 8
+        assert r["bicache"] is (r["arm"] == "bidirectional")  # the earlier fields stay
+        assert r["rt_unfinished"] == 0 and r["rt_retractions"] >= 0
+    summary = bb.summarize(rows, at_rate=2.0)
+    claims = summary["claims"]
+    assert len(claims) == 2 and all({"text", "passed", "detail"} <= set(c) for c in claims)
+    assert "paper: 1.23x" in claims[0]["text"] and "paper: 1.63x" in claims[1]["text"]
+    assert all("ours=" in c["detail"] and "paged-recompute" in c["text"] for c in claims)
+    (cell,) = summary["gains"]
+    assert {f"vs_{a}" for a in bb.ARM_NAMES[1:]} <= set(cell)
+    assert set(cell["rt_recomputed"]) == set(bb.ARM_NAMES)
+
+
+def test_bicache_paper_setting_is_opt30b_tp4_on_a100_40gb():
+    from sgl_fair.experiment import bros_bicache as bb
+
+    cm = bb.PAPER.cost_model()
+    assert (cm.gpu.name, cm.model.name, cm.tp) == ("A100-40GB", "OPT-30B", 4)
+    assert bb.PAPER.pool_tokens() == cm.kv_capacity_tokens(0.90)
+    duration, cells = bb.paper_cells(quick=False)
+    assert duration == 60.0
+    assert {r for s, r, _ in cells if s is bb.PAPER} == {6.0, 8.0, 10.0, 12.0, 14.0}
