@@ -98,6 +98,19 @@ class Evicted(msgspec.Struct, frozen=True, gc=False):
     blocks: tuple[tuple[Tokens_, int], ...]
 
 
+class ServiceReport(msgspec.Struct, frozen=True, gc=False):
+    """A worker's running totals of the service it was dispatched and served, per client, sent
+    with its ``Load`` so that router replicas share one fairness state (``docs/replicas.md``,
+    ``router/replica_state.py``). Totals since the worker started, never deltas (a lost report
+    loses nothing)."""
+
+    # (client, extend tokens charged at dispatch, output tokens of the Finished sent so far)
+    clients: tuple[tuple[str, int, int], ...] = ()
+    # (replica, the last dispatch sequence number received from it)
+    seqs: tuple[tuple[int, int], ...] = ()
+    num_requests: int = 0  # requests here: received, their Finished not yet sent
+
+
 class Load(msgspec.Struct, frozen=True, gc=False):
     worker: int
     t_s: float
@@ -109,6 +122,8 @@ class Load(msgspec.Struct, frozen=True, gc=False):
     # Requests retracted (preempted, to recompute) since the worker started; 0 where the
     # engine does not say (SGLang's bridge).
     num_retractions: int = 0
+    # Per-client service totals, for router replicas (None where the worker keeps none).
+    service: ServiceReport | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, gc=False):

@@ -25,6 +25,9 @@ COLUMNS = (
     ("workload", "workload", "{}"),
     ("scenario", "scen.", "{}"),
     ("x", "x", "{:g}"),
+    ("setup", "routers", "{}"),  # router replicas (d2lpm-replicas)
+    ("replicas", "R", "{}"),
+    ("report_period_s", "report s", "{:g}"),
     ("offered_tok_s", "offered tok/s", "{:.0f}"),
     ("served_tok_s", "served tok/s", "{:.0f}"),
     ("throughput_tok_s", "drained tok/s", "{:.0f}"),
@@ -33,6 +36,8 @@ COLUMNS = (
     ("p50_well_behaved_s", "WB p50 s", "{:.1f}"),
     ("p99_well_behaved_s", "WB p99 s", "{:.1f}"),
     ("cache_hit_rate", "cache hit", "{:.2f}"),
+    ("misbehaver_share", "misb. share", "{:.3f}"),
+    ("view_lag_max", "view lag", "{:.0f}"),
     ("makespan_s", "makespan s", "{:.0f}"),
 )
 

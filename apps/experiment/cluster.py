@@ -8,8 +8,8 @@ in seconds to a few minutes on a laptop.
 
 This module is the registry (``EXPERIMENTS``, in the order ``list`` shows them) and the
 runner, with the CLI flags that narrow an experiment (``Overrides``). The experiments live in
-``cluster_grid``, ``cluster_sweeps`` and ``cluster_timelines``; what they share in
-``cluster_base``.
+``cluster_grid``, ``cluster_sweeps``, ``cluster_timelines`` and ``cluster_replicas``; what
+they share in ``cluster_base``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from sgl_fair.workloads.combos import D2LPM, Combo
 
 from .cluster_base import ClusterExperiment
 from .cluster_grid import GRID
+from .cluster_replicas import REPLICAS_EXP
 from .cluster_runs import RunSpec, run_many
 from .cluster_sweeps import CLIENTS, D2LPM_QUANTUM, DLPM_QUANTUM
 from .cluster_timelines import CHAT_FLOOD, MIXED, TIMELINE
@@ -115,7 +116,8 @@ def apply_overrides(specs: Sequence[RunSpec], ov: Overrides) -> list[RunSpec]:
         elif ov.workload == "chat":
             changes["scenario"] = None  # chat is the Fig. 8 flood: it has no S1/S2
         s = s.replace(**changes) if changes else s
-        key = (_combo_key(s.combo), s.dp, s.workload, s.scenario, s.gpu, s.model, s.x)
+        key = (_combo_key(s.combo), s.dp, s.workload, s.scenario, s.gpu, s.model, s.x,
+               s.replicas, s.report_period_s, s.shared_state)  # fmt: skip
         if key not in seen:
             seen.add(key)
             out.append(s)
@@ -173,6 +175,7 @@ EXPERIMENTS: dict[str, ClusterExperiment] = {
         CLIENTS,
         MIXED,
         CHAT_FLOOD,
+        REPLICAS_EXP,
         ONE_RUN,
     )
 }

@@ -14,6 +14,13 @@ and the well-behaved clients' latency:
   with its age at the cut-off, a lower bound, and the row says how many there were.
 * ``jain`` is over client-perceived service (input + 2 × output tokens, the papers' service
   rate); ``jain_actual`` over the GPU's actual work (extend + 2 × output tokens).
+
+Router replicas (``replicas`` set; ``cluster_replica_set.py``): R replicas behind a round-robin
+load balancer, sharing the workers' service reports every ``report_period_s`` or
+(``shared_state=False``) each on its own; the row then carries ``replicas``,
+``report_period_s``, ``shared_state``, ``misbehaver_share`` and the replicas' staleness
+(``view_lag_max`` …). ``row_extra`` is copied into the row (naming ``replicas`` there marks a
+one-router row of a replica experiment: it gets ``misbehaver_share`` too).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from sgl_fair.workloads.program_metrics import (
 )
 from sgl_fair.workloads.programs import generate_programs, program_demand, workload
 
+from .cluster_replica_set import ReplicaSet
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -61,6 +70,10 @@ class RunSpec:
     drain_factor: float = 20.0
     net_delay_s: float = 0.0005
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    replicas: int | None = None  # None: one plain router
+    report_period_s: float = 0.1
+    shared_state: bool = True
+    row_extra: Mapping[str, Any] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> RunSpec:
         return replace(self, **changes)
@@ -102,7 +115,19 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         clients = [replace(c, params={**c.params, **spec.params}) for c in clients]
     programs = generate_programs(clients, spec.duration_s, seed=spec.seed)
     combo = spec.combo
-    router = Router(make_router_policy(combo.router, **dict(combo.router_opts)), spec.dp)
+    router_opts = dict(combo.router_opts)
+    router: Router | ReplicaSet
+    if spec.replicas is None:
+        router = Router(make_router_policy(combo.router, **router_opts), spec.dp)
+    else:
+        router = ReplicaSet(
+            lambda: make_router_policy(combo.router, **router_opts),
+            spec.dp,
+            spec.replicas,
+            shared=spec.shared_state,
+            kv_event_delay_s=2 * spec.net_delay_s,  # worker receives it, then publishes
+        )
+    shared = spec.replicas is not None and spec.shared_state
     config = ClusterConfig(
         dp=spec.dp,
         gpu=spec.gpu,
@@ -110,6 +135,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         kv_tokens=spec.kv_tokens,
         scheduler=spec.scheduler,
         net_delay_s=spec.net_delay_s,
+        report_period_s=spec.report_period_s if shared else None,
     )
     cost_model = CostModel.from_names(spec.gpu, spec.model)
     local_opts = dict(combo.local_opts)
@@ -166,7 +192,22 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         "duration_s": spec.duration_s,
         "seed": spec.seed,
         "sim_wall_s": round(result.wall_s, 3),
+        **spec.row_extra,
     }
+    if isinstance(router, ReplicaSet) or "replicas" in spec.row_extra:
+        misbehaving = set(row["misbehaving"])
+        rates = {c: v["service_rate"] for c, v in summary["clients"].items()}
+        total = sum(rates.values())
+        row["misbehaver_share"] = (
+            sum(v for c, v in rates.items() if c in misbehaving) / total if total else None
+        )
+    if isinstance(router, ReplicaSet):
+        row.update(
+            replicas=spec.replicas,
+            report_period_s=spec.report_period_s if spec.shared_state else None,
+            shared_state=spec.shared_state,
+            **router.stats(),
+        )
     if spec.series:
         row["series"] = _series(result, records, result.t_end_s)
     return row

@@ -71,6 +71,10 @@ Options (``make_router_policy("d2lpm", ...)``): ``quantum`` (300,000.0, service 
 ``"rounds"``: the paper's), ``load`` (``"requests"``: the paper's; ``"tokens"``),
 ``default_output_len`` (128.0: the expected output of a client with none finished yet, for
 ``load="tokens"``), ``max_clients`` (10,000: clients whose deficits are kept).
+
+**Router replicas** *(beyond the paper)*. ``on_peer_service`` charges the service other
+replicas dispatched, as the workers report it (``router/replica.py``, ``docs/replicas.md``);
+with ``load="tokens"`` the outstanding work stays this replica's own.
 """
 
 from __future__ import annotations
@@ -260,6 +264,16 @@ class D2LPM(BaseRouterPolicy):
             self._charge(msg.worker, msg.client, self.config.output_weight * msg.num_output)
         if self._work is not None:
             self._work.finished(msg)
+
+    def on_peer_service(
+        self, worker: int, client: ClientId, extend: int, output: int, view: RouterView
+    ) -> None:
+        """Other router replicas' service to ``client`` on ``worker`` (extend and output
+        tokens), from the worker's report (``router/replica.py``): charged as if dispatched
+        here, so every replica's deficits follow the service all replicas dispatched."""
+        if worker in view.workers:
+            cfg = self.config
+            self._charge(worker, client, cfg.extend_weight * extend + cfg.output_weight * output)
 
     def on_worker_removed(self, worker: int) -> None:
         for d in self._deficits.values():

@@ -17,6 +17,12 @@ end, as in a live continuous-batching loop.
 
 The workload is a list of programs (``sgl_fair.workloads.programs.Program``: DAGs of
 calls, closed loop) and/or plain open-loop requests.
+
+**Service reports** (``ClusterConfig.report_period_s``; router replicas, ``docs/replicas.md``).
+Each worker keeps a ``ServiceLedger`` and sends its totals with a ``Load`` every
+``report_period_s``, idle or not (the last such tick ends with the run's other events). A
+dispatch is tagged ``(replica, seq, charge)`` when the router has ``take_tag(rid)``; the
+tag travels with it, as the live ``Dispatch`` would carry it.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sgl_fair.messages import Dispatch, Finished
+from msgspec.structs import replace as _replace_struct
+
+from sgl_fair.messages import Dispatch, Finished, Load
 from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.records import RequestRecord, ServiceEvent
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker.engine import StepResult
 from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from sgl_fair.worker.service import WorkerCore
+from sgl_fair.worker.service_ledger import ServiceLedger
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.runner import make_sim_worker
 
@@ -75,6 +84,8 @@ class ClusterConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     net_delay_s: float = 0.0005  # one way, router <-> worker
     load_interval_s: float = 0.1  # how often a worker reports Load
+    # Workers keep a service ledger and report it with a Load this often (None: no ledger).
+    report_period_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -83,6 +94,8 @@ class ClusterConfig:
             raise ValueError(f"net_delay_s must be >= 0 (got {self.net_delay_s})")
         if self.load_interval_s <= 0:
             raise ValueError(f"load_interval_s must be > 0 (got {self.load_interval_s})")
+        if self.report_period_s is not None and not self.report_period_s > 0:
+            raise ValueError(f"report_period_s must be > 0 (got {self.report_period_s})")
 
 
 @dataclass
@@ -95,6 +108,7 @@ class SimWorker:
     inbox: list[tuple[Request, float]] = field(default_factory=list)
     result: StepResult | None = None
     num_dispatched: int = 0
+    ledger: ServiceLedger | None = None
 
     @property
     def wid(self) -> int:
@@ -148,7 +162,7 @@ class ClusterResult:
 
 
 # Event kinds; events at one instant run in the order they were scheduled.
-_START, _CALL, _TO_WORKER, _TO_ROUTER, _STEP_DONE, _WAKE = range(6)
+_START, _CALL, _TO_WORKER, _TO_ROUTER, _STEP_DONE, _WAKE, _REPORT, _REPORT_IN = range(8)
 
 
 def simulate_cluster(
@@ -170,6 +184,7 @@ def simulate_cluster(
     """
     cost_model = cost_model or CostModel.from_names(config.gpu, config.model, tp=config.tp)
     workers: list[SimWorker] = []
+    period = config.report_period_s
     for wid in range(config.dp):
         sched, engine = make_sim_worker(
             policy=local_policy(wid),
@@ -177,8 +192,9 @@ def simulate_cluster(
             kv_tokens=config.kv_tokens,
             config=config.scheduler,
         )
-        core = WorkerCore(wid, sched, engine, load_interval_s=config.load_interval_s)
-        workers.append(SimWorker(core))
+        interval = config.load_interval_s if period is None else period
+        core = WorkerCore(wid, sched, engine, load_interval_s=interval)
+        workers.append(SimWorker(core, ledger=None if period is None else ServiceLedger()))
     delay = config.net_delay_s
     heap: list[tuple[float, int, int, Any]] = []
     seq = itertools.count()
@@ -192,6 +208,13 @@ def simulate_cluster(
         push(req.arrival_s, _CALL, (None, req))
 
     admit = getattr(router, "admit", None)  # the router's admission (cluster OIT), if any
+    take_tag = getattr(router, "take_tag", None)  # (replica, seq, charge) of a dispatch
+    ticks = 0  # report ticks and the reports they sent, in the heap
+    if period is not None:
+        for w in workers:
+            push(period, _REPORT, w)
+            ticks += 1
+    t_last = 0.0  # the last event's time, report ticks aside
     owner: dict[str, Any] = {}  # rid -> program (None for open-loop requests)
     calls: dict[str, Request] = {}  # rid -> request, while in flight
     submitted: list[Request] = []
@@ -207,6 +230,8 @@ def simulate_cluster(
     def report(w: SimWorker, t: float) -> None:
         """Send what the worker's last step (or arrivals) produced to the router."""
         for msg in w.core.drain(t).messages:
+            if w.ledger is not None:
+                msg = _with_ledger(w.ledger, msg)
             push(t + delay, _TO_ROUTER, msg)
 
     def run_step(w: SimWorker, t: float) -> None:
@@ -230,6 +255,19 @@ def simulate_cluster(
             break
         heapq.heappop(heap)
         now = t
+        if kind == _REPORT:  # a worker's periodic report (its Load, with its ledger)
+            w = payload
+            # This tick leaves the heap, its report enters it: ``ticks`` is unchanged.
+            push(t + delay, _REPORT_IN, _replace_load(w.core.load(t), w.ledger))
+            if len(heap) > ticks:  # other events remain: keep reporting
+                push(t + period, _REPORT, w)
+                ticks += 1
+            continue
+        if kind == _REPORT_IN:  # ... reaches the router
+            ticks -= 1
+            router.handle(payload, t)
+            continue
+        t_last = t
         if kind == _STEP_DONE:
             w = payload
             result, w.result = w.result, None
@@ -247,8 +285,11 @@ def simulate_cluster(
                     else:
                         prog.on_failed(req, t)
         elif kind == _TO_WORKER:
-            dispatch: Dispatch = payload
+            dispatch, tag = payload
             w = workers[dispatch.worker]
+            if w.ledger is not None and tag is not None:
+                replica, dispatch_seq, charge = tag
+                w.ledger.received(replica, dispatch_seq, dispatch.req.client, charge)
             w.inbox.append((dispatch.req, t))
             w.num_dispatched += 1
             if not w.busy and not w.wake_pending:
@@ -270,13 +311,17 @@ def simulate_cluster(
             else:
                 owner[req.rid] = prog
                 calls[req.rid] = req
-                push(t + delay, _TO_WORKER, router.dispatch(req, t))
+                dispatch = router.dispatch(req, t)
+                tag = take_tag(req.rid) if take_tag is not None else None
+                push(t + delay, _TO_WORKER, (dispatch, tag))
         else:  # _START
             started_programs += 1
             issue(payload, payload.start(t), t)
         num_events += 1
         if check_every and num_events % check_every == 0:
             _check(workers, router)
+    else:
+        now = t_last
     if check_every:
         _check(workers, router)
     return ClusterResult(
@@ -289,6 +334,19 @@ def simulate_cluster(
         unfinished=len(calls),
         unissued_programs=len(programs) - started_programs,
     )
+
+
+def _with_ledger(ledger: ServiceLedger, msg: Any) -> Any:
+    """Account a ``Finished`` as sent; put the ledger's totals on a ``Load``."""
+    if isinstance(msg, Finished):
+        ledger.sent(msg.client, msg.num_output)
+    elif isinstance(msg, Load):
+        return _replace_load(msg, ledger)
+    return msg
+
+
+def _replace_load(load: Load, ledger: ServiceLedger | None) -> Load:
+    return load if ledger is None else _replace_struct(load, service=ledger.report())
 
 
 def _refuse(req: Request, rejection: Rejection) -> None:

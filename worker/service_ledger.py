@@ -1,0 +1,61 @@
+"""A worker's service ledger: what router replicas read to share one fairness state (issue 34).
+
+Each dispatch a worker receives is tagged ``(replica, seq, charge)``: the replica that sent
+it, that replica's running count of its dispatches to this worker (1, 2, …), and the extend
+tokens it charged the client for it (D2LPM's ``input_len − matched_len_on_u``, before
+weights). The ledger sums, per client, the charges of the dispatches received and the output
+tokens of every ``Finished`` *sent*, and keeps each replica's last ``seq``; ``report()`` is the
+``ServiceReport`` the worker sends with its ``Load`` (``docs/replicas.md``)::
+
+    ledger.received(replica, seq, client, charge)   # a tagged dispatch arrived
+    ledger.sent(client, num_output)                 # its Finished (any reason) goes out now
+    load = Load(..., service=ledger.report())
+
+A ``Finished`` counts when it is sent, not when the request ends: a report then covers
+exactly the ``Finished`` sent before it, which its replica has received before the report
+(each worker → replica channel keeps its order), so no replica counts an output twice.
+"""
+
+from __future__ import annotations
+
+from sgl_fair.messages import ServiceReport
+
+
+class ServiceLedger:
+    def __init__(self) -> None:
+        self._clients: dict[str, list[int]] = {}  # client -> [extend charged, output served]
+        self._seqs: dict[int, int] = {}  # replica -> last seq received
+        self.num_requests = 0  # received, Finished not yet sent
+
+    def received(self, replica: int, seq: int, client: str, charge: int) -> None:
+        last = self._seqs.get(replica, 0)
+        if seq != last + 1:
+            raise ValueError(
+                f"replica {replica}'s dispatch seq {seq} after {last}: dispatches from one "
+                "replica must arrive in order, none lost"
+            )
+        if charge < 0:
+            raise ValueError(f"charge must be >= 0 (got {charge})")
+        self._seqs[replica] = seq
+        self._totals(client)[0] += charge
+        self.num_requests += 1
+
+    def sent(self, client: str, num_output: int) -> None:
+        """A ``Finished`` of ``client`` (ok or not) is being sent, with ``num_output`` tokens."""
+        if self.num_requests <= 0:
+            raise ValueError("a Finished sent for no request received")
+        self._totals(client)[1] += num_output
+        self.num_requests -= 1
+
+    def report(self) -> ServiceReport:
+        return ServiceReport(
+            tuple((c, a, s) for c, (a, s) in self._clients.items()),
+            tuple(self._seqs.items()),
+            self.num_requests,
+        )
+
+    def _totals(self, client: str) -> list[int]:
+        totals = self._clients.get(client)
+        if totals is None:
+            totals = self._clients[client] = [0, 0]
+        return totals
