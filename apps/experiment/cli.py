@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from sgl_fair.experiment.show import print_claims, print_rows, print_table
+
+_print_table, _print_rows = print_table, print_rows
 EXIT_USAGE = 2
 PROG = "python -m sgl_fair.experiment"
 
@@ -85,61 +88,86 @@ _CLUSTER_FLAGS = ("dp", "router", "local", "workload", "scenario", "gpu", "model
 
 
 def cmd_list() -> int:
+    from sgl_fair.experiment import bros, fairserve
     from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
-    from sgl_fair.experiment.vtc import EXPERIMENTS
+    from sgl_fair.experiment.registry import EXPERIMENTS
 
-    everything = [*EXPERIMENTS.values(), *CLUSTER.values()]
-    width = max(len(e.name) for e in everything)
-    for exp in everything:
-        print(f"{exp.name:<{width}}  {exp.figure:<12} {exp.description}")
-    from sgl_fair.experiment import fairserve
-
-    print(f"{fairserve.NAME:<{width}}  {fairserve.FIGURE:<12} {fairserve.DESCRIPTION}")
-    from sgl_fair.experiment import bros
-
-    for exp in bros.EXPERIMENTS.values():
-        print(f"{exp.name:<{width}}  {exp.figure:<12} {exp.description}")
+    everything = [
+        *EXPERIMENTS,
+        *(e for e in CLUSTER.values() if e.name not in EXPERIMENTS),
+        *([fairserve] if fairserve.NAME not in EXPERIMENTS else []),
+        *(e for e in bros.EXPERIMENTS.values() if e.name not in EXPERIMENTS),
+    ]
+    names = [getattr(e, "NAME", None) or e.name for e in everything]
+    width = max(len(n) for n in names)
+    for name, exp in zip(names, everything, strict=True):
+        figure = getattr(exp, "FIGURE", None) or exp.figure
+        description = getattr(exp, "DESCRIPTION", None) or exp.description
+        print(f"{name:<{width}}  {figure:<12} {description}")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sgl_fair.experiment import fairserve
+    from sgl_fair.experiment import bros, fairserve
     from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
-    from sgl_fair.experiment.report import write_outputs
-    from sgl_fair.experiment.single import run_experiment
-    from sgl_fair.experiment.vtc import EXPERIMENTS, get_experiment
+    from sgl_fair.experiment.registry import EXPERIMENTS, RunOptions
 
-    if args.name in CLUSTER:
-        return cmd_run_cluster(args)
-    if args.name == fairserve.NAME:
-        return fairserve.cli_run(args, _CLUSTER_FLAGS, UsageError, _print_rows)
-    from sgl_fair.experiment import bros
-
-    if args.name in bros.EXPERIMENTS:
-        return bros.cmd_run(args)
-    if args.name not in EXPERIMENTS:
-        names = ", ".join([*EXPERIMENTS, *CLUSTER, fairserve.NAME])
-        raise UsageError(f"unknown experiment {args.name!r} (known: {names})")
-    given = [f"--{f}" for f in _CLUSTER_FLAGS if getattr(args, f) is not None]
-    if given:
-        raise UsageError(f"{', '.join(given)}: only for cluster experiments, not {args.name}")
-    exp = _user_value(get_experiment, args.name)
-    result = run_experiment(exp, quick=args.quick, seed=args.seed)
-    out = args.out or Path("runs") / exp.name
-    paths = write_outputs(result, out)
-    data = result.to_json()
+    if args.name not in EXPERIMENTS:  # families not in the registry yet
+        if args.name in CLUSTER:
+            return cmd_run_cluster(args)
+        if args.name == fairserve.NAME:
+            return fairserve.cli_run(args, _CLUSTER_FLAGS, UsageError, _print_rows)
+        if args.name in bros.EXPERIMENTS:
+            return bros.cmd_run(args)
+    entry = _user_value(EXPERIMENTS.get, args.name)
+    given = {f: getattr(args, f) for f in _CLUSTER_FLAGS if getattr(args, f) is not None}
+    foreign = [f"--{f}" for f in given if f not in entry.flags]
+    if foreign:
+        raise UsageError(f"{', '.join(foreign)}: only for cluster experiments, not {args.name}")
+    _check_flags(args)
+    if entry.check is not None:
+        _user_value(entry.check, given)
+    options = RunOptions(quick=args.quick, seed=args.seed, json=args.json, flags=given)
+    result = _user_value(lambda: entry.run(options))
+    out = args.out or Path("runs") / entry.name
+    paths = entry.write(result, out)
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(result.to_json(), indent=2))
+    elif entry.show is not None:
+        entry.show(result, paths)
     else:
-        _print_table(f"{exp.name} ({exp.figure}) — {exp.description}", result.rows)
-        named = [f"{r['policy']}: {r['predictor']}" for r in result.rows if "predictor" in r]
-        if named:
-            print("  output-length predictor (VTC's predict): " + ", ".join(named))
-        for claim in result.claims:
-            mark = "PASS" if claim.passed else "FAIL"
-            print(f"  [{mark}] {claim.text} — {claim.detail}")
-        print(f"report: {paths['report']}  (results.json and plots alongside)")
+        _print_table(f"{entry.name} ({entry.figure}) — {entry.description}", result.rows)
+        print_claims(result.claims)
+        print(f"results: {paths['results']}")
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The narrowing flags' values that mean the same for every experiment (each checked only
+    where given); an entry's ``check`` does its own (``--scenario``'s names)."""
+    from sgl_fair.policies import policy_names
+    from sgl_fair.router import router_policy_names
+    from sgl_fair.worker.sim.hardware import get_gpu, get_model
+    from sgl_fair.workloads.programs import WORKLOADS
+
+    if args.dp is not None and not 1 <= args.dp <= 64:
+        raise UsageError(f"--dp must be between 1 and 64 (got {args.dp})")
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1 (got {args.jobs})")
+    if args.router is not None and args.router not in router_policy_names():
+        raise UsageError(
+            f"--router: unknown policy {args.router!r} (known: {', '.join(router_policy_names())})"
+        )
+    if args.local is not None and args.local not in policy_names():
+        raise UsageError(
+            f"--local: unknown policy {args.local!r} (known: {', '.join(policy_names())})"
+        )
+    if args.workload is not None and args.workload not in WORKLOADS:
+        raise UsageError(f"--workload: unknown {args.workload!r} (known: {', '.join(WORKLOADS)})")
+    if args.gpu is not None:
+        _user_value(get_gpu, args.gpu)
+    if args.model is not None:
+        _user_value(get_model, args.model)
 
 
 def cmd_run_cluster(args: argparse.Namespace) -> int:
@@ -302,25 +330,6 @@ def _coerce(raw: str) -> Any:
         except ValueError:
             pass
     return raw
-
-
-def _print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    from sgl_fair.workloads.report import table_rows
-
-    header, body = table_rows(rows)
-    _print_rows(title, header, body)
-
-
-def _print_rows(title: str, header: list[str], body: list[list[str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for i, col in enumerate(header):
-        table.add_column(col, justify="left" if i == 0 else "right")
-    for r in body:
-        table.add_row(*r)
-    Console(width=max(120, len(title) + 4)).print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,8 @@ from typing import Any
 
 from sgl_fair import metrics
 from sgl_fair.cost import CostFunction, WeightedTokens
-from sgl_fair.policies import make_policy
+from sgl_fair.experiment.registry import Claim, ExperimentOutput
+from sgl_fair.policies import PolicyCaps, make_policy
 from sgl_fair.records import RequestRecord, ServiceEvent
 from sgl_fair.request import Request
 from sgl_fair.worker.scheduler import SchedulerConfig
@@ -36,13 +37,6 @@ class PolicySpec:
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
     weighted: bool = False  # pass the workload's client weights as ``weights``
-
-
-@dataclass(frozen=True)
-class Claim:
-    text: str
-    passed: bool
-    detail: str = ""
 
 
 @dataclass
@@ -80,41 +74,9 @@ class Experiment:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
-@dataclass
-class ExperimentResult:
-    experiment: Experiment
-    duration_s: float
-    seed: int
-    quick: bool
-    runs: dict[str, PolicyRun]
-    claims: list[Claim]
-    wall_s: float
-    cost_model: dict[str, Any]
-
-    @property
-    def rows(self) -> list[dict[str, Any]]:
-        return [run.row for run in self.runs.values()]
-
-    def to_json(self) -> dict[str, Any]:
-        exp = self.experiment
-        return {
-            "experiment": exp.name,
-            "figure": exp.figure,
-            "description": exp.description,
-            "quick": self.quick,
-            "seed": self.seed,
-            "duration_s": self.duration_s,
-            "window_s": exp.window_s,
-            "worker": {**self.cost_model, "kv_tokens": self.runs_kv_tokens()},
-            "rows": self.rows,
-            "claims": [c.__dict__ for c in self.claims],
-            "all_claims_passed": all(c.passed for c in self.claims),
-            "sim_wall_s": round(self.wall_s, 3),
-        }
-
-    def runs_kv_tokens(self) -> int | None:
-        run = next(iter(self.runs.values()), None)
-        return run.result.kv_capacity_tokens if run else None
+# What ``run_experiment`` returns: the one result shape, its ``runs`` the ``PolicyRun``s by
+# label (the report's plots read them) and its ``experiment`` the ``Experiment``.
+ExperimentResult = ExperimentOutput
 
 
 # ---------------------------------------------------------------- running
@@ -155,8 +117,7 @@ def predictor_of(policy: Any) -> str | None:
     """The output-length predictor a policy charges with (VTC's ``predict``: ``none``,
     ``predict`` — the paper's mean of the last 5 —, ``ema`` — the artifact's moving
     average — or ``oracle``), named in the rows; None for a policy without one."""
-    predict = getattr(getattr(policy, "config", None), "predict", None)
-    return predict if isinstance(predict, str) else None
+    return PolicyCaps.of(policy).predictor
 
 
 def fresh_copy(requests: Sequence[Request]) -> list[Request]:
@@ -164,7 +125,7 @@ def fresh_copy(requests: Sequence[Request]) -> list[Request]:
     return [r.unscheduled_copy() for r in requests]
 
 
-def run_experiment(exp: Experiment, *, quick: bool = False, seed: int = 0) -> ExperimentResult:
+def run_experiment(exp: Experiment, *, quick: bool = False, seed: int = 0) -> ExperimentOutput:
     duration = exp.quick_duration_s if quick else exp.duration_s
     specs = exp.clients(duration)
     requests = generate(specs, duration_s=duration, seed=seed)
@@ -186,6 +147,19 @@ def run_experiment(exp: Experiment, *, quick: bool = False, seed: int = 0) -> Ex
         for spec in exp.policies
     }
     claims = exp.claims(exp, runs, duration)
-    return ExperimentResult(
-        exp, duration, seed, quick, runs, claims, time.perf_counter() - wall0, cost_model.describe()
+    first = next(iter(runs.values()), None)
+    kv_tokens = first.result.kv_capacity_tokens if first else None
+    return ExperimentOutput(
+        exp,
+        quick,
+        seed,
+        rows=[run.row for run in runs.values()],
+        claims=claims,
+        extras={
+            "window_s": exp.window_s,
+            "worker": {**cost_model.describe(), "kv_tokens": kv_tokens},
+        },
+        duration_s=duration,
+        wall_s=time.perf_counter() - wall0,
+        runs=runs,
     )

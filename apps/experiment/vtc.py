@@ -2,7 +2,8 @@
 
 Each figure is a workload (client specs), the policies it compares and its claims, run by
 ``single.run_experiment``. Setup as the paper's: Llama-2-7B on one A10G with a 10,000-token
-KV pool, service = input + 2 × output tokens, 60 s windows. ``EXPERIMENTS`` is the registry
+KV pool, service = input + 2 × output tokens, 60 s windows. ``EXPERIMENTS`` holds them by
+name; each is registered in the experiment registry (``registry``) that
 ``python -m sgl_fair.experiment`` lists and runs.
 
 Length prediction: VTC and LCF run with ``predict="none"`` (the paper's §5.2 figures charge
@@ -15,7 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sgl_fair.experiment.single import Claim, Experiment, PolicyRun, PolicySpec
+from sgl_fair.experiment.registry import ExperimentEntry, ExperimentOutput, register
+from sgl_fair.experiment.report import write_outputs
+from sgl_fair.experiment.show import print_claims, print_table
+from sgl_fair.experiment.single import Claim, Experiment, PolicyRun, PolicySpec, run_experiment
 from sgl_fair.workloads.arrivals import Constant, LinearRamp, OnOff, Phases, Poisson, per_minute
 from sgl_fair.workloads.lengths import Uniform
 from sgl_fair.workloads.traces import ClientSpec
@@ -395,3 +399,32 @@ def get_experiment(name: str) -> Experiment:
         raise ValueError(
             f"unknown experiment {name!r}; choose one of: {', '.join(EXPERIMENTS)}"
         ) from None
+
+
+# ---------------------------------------------------------------- registry
+
+
+def _show(result: ExperimentOutput, paths: dict) -> None:
+    exp = result.experiment
+    print_table(f"{exp.name} ({exp.figure}) — {exp.description}", result.rows)
+    named = [f"{r['policy']}: {r['predictor']}" for r in result.rows if "predictor" in r]
+    if named:
+        print("  output-length predictor (VTC's predict): " + ", ".join(named))
+    print_claims(result.claims)
+    print(f"report: {paths['report']}  (results.json and plots alongside)")
+
+
+def _entry(exp: Experiment) -> ExperimentEntry:
+    return ExperimentEntry(
+        exp.name,
+        exp.figure,
+        exp.description,
+        run=lambda o: run_experiment(exp, quick=o.quick, seed=o.seed),
+        quick={"duration_s": exp.quick_duration_s},
+        write=write_outputs,
+        show=_show,
+    )
+
+
+for _exp in EXPERIMENTS.values():
+    register(_entry(_exp), family=__name__)
