@@ -23,29 +23,44 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from sgl_fair.messages import Dispatch, Hello
 from sgl_fair.remote import (
     ATTACH_PERIOD_S,
     ClientKeys,
     Detach,
+    DispatchTag,
     attach,
     curve_client,
     encode_control,
     kv_address,
 )
+from sgl_fair.request import Request
 from sgl_fair.router.liveness import WorkerState
-from sgl_fair.transport import WireError, decode
+from sgl_fair.transport import WireError, decode, encode
 
 log = logging.getLogger("sgl_fair.router")
 
 
+_DISPATCH_KIND = encode(Dispatch(0, Request("k", "c", (1,), 1, 0.0), 0.0))[0]
+
+
 class _Sender:
     """What the service's ``push[wid]`` must be: a synchronous, non-blocking ``send`` that
-    raises ``zmq.Again`` when nobody is connected, and ``close``."""
+    raises ``zmq.Again`` when nobody is connected, and ``close``. A ``Dispatch`` of a router
+    that tags its dispatches (``ReplicaRouter.last_tag``, set by the dispatch just made)
+    goes with its ``DispatchTag`` frame first."""
 
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, router: Any) -> None:
         self.sock = sock
+        self.router = router
 
     def send(self, data: Any, flags: int = 0, copy: bool = True) -> None:
+        tag = getattr(self.router, "last_tag", None)
+        if tag is not None and data[0] == _DISPATCH_KIND:
+            self.router.last_tag = None
+            frame = encode_control(DispatchTag(*tag))
+            zmq.Socket.send_multipart(self.sock, [frame, data], flags, copy=copy)
+            return
         zmq.Socket.send(self.sock, data, flags, copy=copy)
 
     def close(self, linger: int | None = None) -> None:
@@ -102,7 +117,7 @@ class RemoteLink:
         self.sub.connect(self.kv_endpoint)
         svc.workers[self.wid] = WorkerState(self.wid)
         svc.router.remove_worker(self.wid)  # until it says Hello
-        svc.push[self.wid] = _Sender(self.sock)
+        svc.push[self.wid] = _Sender(self.sock, svc.router)
         svc.subs[self.wid] = self.sub
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -139,6 +154,8 @@ class RemoteLink:
                 else:
                     if getattr(msg, "worker", wid) != wid:
                         msg = msgspec.structs.replace(msg, worker=wid)
+                    if type(msg) is Hello:
+                        self._restarted(msg)
                     try:
                         svc._on_message(msg)
                     except Exception:  # a bug must not kill the loop (its requests would hang)
@@ -147,6 +164,14 @@ class RemoteLink:
                     frame = zmq.Socket.recv(sock, zmq.NOBLOCK)
                 except zmq.Again:
                     break
+
+    def _restarted(self, hello: Hello) -> None:
+        """A Hello from another process than the one that is up: the worker restarted
+        faster than its silence showed. What the old one held is gone: the service treats
+        it as a death first (calls move on, the router forgets its state), then the Hello."""
+        w = self.service.workers.get(self.wid)
+        if w is not None and w.alive and w.pid is not None and hello.pid != w.pid:
+            self.service.worker_dead(self.wid, f"restarted (pid {w.pid} -> {hello.pid})")
 
     async def close(self, *, detach: bool = True) -> None:
         """Leave: the worker aborts this replica's requests; the service forgets ``wid``."""

@@ -18,13 +18,15 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import msgspec
 import zmq
 
-from sgl_fair.messages import Abort, Dispatch, Finished, FinishReason, Shutdown, Tokens
+from sgl_fair.messages import Abort, Dispatch, Finished, FinishReason, Load, Shutdown, Tokens
 from sgl_fair.remote import (
     ATTACH_PERIOD_S,
     Attach,
     Detach,
+    DispatchTag,
     ServerKeys,
     curve_server,
     decode_frame,
@@ -32,6 +34,7 @@ from sgl_fair.remote import (
 )
 from sgl_fair.transport import WireError, encode
 from sgl_fair.worker.live import LiveWorker, LiveWorkerConfig
+from sgl_fair.worker.service_ledger import ServiceLedger
 
 log = logging.getLogger("sgl_fair.worker")
 
@@ -54,6 +57,10 @@ class RemoteWorker(LiveWorker):
         self.names: dict[bytes, str] = {}
         self.owners: dict[str, bytes] = {}  # rid -> the replica that dispatched it
         self._peer: bytes | None = None  # whose frame is being handled
+        self._tag: DispatchTag | None = None  # the tag of the Dispatch being handled
+        self.ledger = ServiceLedger()  # what tagged dispatches got: sent with every Load
+        self.tagged: dict[str, str] = {}  # rid -> client, for the ledger's Finished
+        self._ever_tagged = False
         self._housekeeping_s = 0.0
         super().__init__(cfg, ctx=ctx)
         self.parent = None  # standalone: no launcher to outlive
@@ -98,7 +105,14 @@ class RemoteWorker(LiveWorker):
                 self._to(peer, Tokens(msg.worker, msg.t_s, tuple(items)))
         elif type(msg) is Finished:
             peer = self.owners.pop(msg.rid, None)
+            if self.tagged.pop(msg.rid, None) is not None:
+                self.ledger.sent(msg.client, msg.num_output)  # counted as it goes out
             if peer is not None:
+                self._to(peer, msg)
+        elif type(msg) is Load:
+            if self.tagged or self.ledger.num_requests or self._ever_tagged:
+                msg = msgspec.structs.replace(msg, service=self.ledger.report())
+            for peer in list(self.peers):
                 self._to(peer, msg)
         elif self._peer is not None:  # Flushed, Hello: to whoever asked
             self._to(self._peer, msg)
@@ -127,21 +141,25 @@ class RemoteWorker(LiveWorker):
             return
         while True:
             try:
-                peer, frame = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                peer, *frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            except ValueError:  # not [identity, frame]
-                continue
             try:
-                msg = decode_frame(frame)
+                msgs = [decode_frame(f) for f in frames]
             except WireError as e:
                 log.error("worker %d: dropped a bad frame: %s", self.cfg.wid, e)
                 continue
-            self._peer = peer
+            tag = None
+            if len(msgs) == 2 and type(msgs[0]) is DispatchTag and type(msgs[1]) is Dispatch:
+                tag, msgs = msgs[0], msgs[1:]
+            if len(msgs) != 1:
+                log.error("worker %d: dropped a message of %d frames", self.cfg.wid, len(frames))
+                continue
+            self._peer, self._tag = peer, tag
             try:
-                self.on_peer_message(peer, msg)
+                self.on_peer_message(peer, msgs[0])
             finally:
-                self._peer = None
+                self._peer = self._tag = None
 
     def on_peer_message(self, peer: bytes, msg: Any) -> None:
         now = time.time()
@@ -164,9 +182,27 @@ class RemoteWorker(LiveWorker):
                 self._to(peer, self.refused(msg, "request id already in flight on this worker"))
                 return
             self.owners[rid] = peer
+            if self._tag is not None:
+                self.ledger_received(self._tag, msg)
         elif type(msg) is Abort and self.owners.get(msg.rid) != peer:
             return  # not this replica's request
         self.handle(msg)
+
+    def ledger_received(self, tag: DispatchTag, msg: Dispatch) -> None:
+        """Count a tagged dispatch. A replica that forgot this worker (it was removed and came
+        back) counts from 1 again: its count here starts over with it."""
+        client = msg.req.client
+        if tag.charge < 0:
+            log.error("worker %d: dropped a tag with charge %d", self.cfg.wid, tag.charge)
+            return
+        try:
+            self.ledger.received(tag.replica, tag.seq, client, tag.charge)
+        except ValueError as e:
+            log.warning("worker %d: %s; counting from there", self.cfg.wid, e)
+            self.ledger.restart(tag.replica, tag.seq - 1)
+            self.ledger.received(tag.replica, tag.seq, client, tag.charge)
+        self.tagged[msg.req.rid] = client
+        self._ever_tagged = True
 
     def refused(self, msg: Dispatch, why: str) -> Finished:
         req = msg.req

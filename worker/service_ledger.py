@@ -40,6 +40,11 @@ class ServiceLedger:
         self._totals(client)[0] += charge
         self.num_requests += 1
 
+    def restart(self, replica: int, seq: int = 0) -> None:
+        """``replica``'s dispatches count on from ``seq`` (it forgot this worker and starts
+        its count again; the live remote worker's resync)."""
+        self._seqs[replica] = seq
+
     def sent(self, client: str, num_output: int) -> None:
         """A ``Finished`` of ``client`` (ok or not) is being sent, with ``num_output`` tokens."""
         if self.num_requests <= 0:

@@ -40,6 +40,7 @@ def req(rid: str, n: int = 6) -> Request:
 async def both_up(*svcs: RouterService, timeout_s: float = 10.0) -> None:
     for svc in svcs:
         await svc.wait_ready(timeout_s)
+    await asyncio.sleep(0.3)  # the KV subscriptions are joined (a late one misses events)
 
 
 @pytest.fixture
@@ -111,5 +112,41 @@ def test_a_killed_worker_is_dead_then_back_on_restart(worker_port) -> None:
             new.kill()
             new.wait(5)
             await a.close()
+
+    asyncio.run(main())
+
+
+def test_replicas_share_one_fairness_state_through_the_worker(worker_port) -> None:
+    """Replica a serves client x; replica b's view of x's service on the worker, from the
+    worker's reports, equals a's own (router/replica_state.py) — and b dispatched nothing."""
+    from sgl_fair.router.replica import ReplicaRouter
+
+    port, _proc = worker_port
+
+    def shared(name: str, rid: int) -> tuple[RouterService, RemoteLink]:
+        router = ReplicaRouter(make_router_policy("d2lpm"), 1, replica=rid)
+        svc = RouterService(
+            router, Endpoints.ipc(tempfile.mkdtemp(prefix=f"sgl-fair-{name}-")), 0,
+            heartbeat_timeout_s=2.0,
+        )  # fmt: skip
+        return svc, RemoteLink(svc, 0, f"tcp://127.0.0.1:{port}", name=name)
+
+    async def main() -> None:
+        (a, la), (b, lb) = shared("a", 7), shared("b", 9)
+        for svc, link in ((a, la), (b, lb)):
+            await svc.start()
+            link.start()
+        await both_up(a, b)
+        calls = [a.submit(req(f"x{i}", 5), "t") for i in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(c.done.wait() for c in calls)), 10)
+        out = sum(len(c.finished.output_ids) for c in calls)
+        await asyncio.sleep(0.5)  # a few Load reports
+        extend, served = a.router.state.service(0, "c")
+        assert extend > 0 and served == out
+        assert b.router.state.service(0, "c") == (extend, served)
+        assert b.router.state.num_reports > 0 and not b.calls
+        for svc, link in ((a, la), (b, lb)):
+            await link.close()
+            await svc.close()
 
     asyncio.run(main())
