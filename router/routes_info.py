@@ -94,7 +94,7 @@ def info_routes(state: ServerState) -> list[Route]:
             "load_balance_method": cfg.router_policy,
             "skip_tokenizer_init": False,
             "is_embedding": False,
-            "enable_lora": cfg.backend == "sglang",
+            "enable_lora": state.features.passthrough,  # LoRA passes through to the engine
             "internal_states": [
                 {"dp_rank": w["id"], "avg_spec_accept_length": None, **w} for w in workers
             ],

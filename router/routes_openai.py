@@ -47,7 +47,7 @@ def openai_routes(state: ServerState) -> list[Route]:
 
     async def completions(request: HTTPRequest) -> Response:
         body = await read_json_body(request, state.cfg.max_body_bytes)
-        req = P.parse_completion(body, state.limits, engine=state.cfg.backend)
+        req = P.parse_completion(body, state.limits, state.features)
         who, gens = prepare(state, request, req.items, "prompt", req.user)
         created = int(time.time())
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -65,7 +65,7 @@ def openai_routes(state: ServerState) -> list[Route]:
 
     async def chat_completions(request: HTTPRequest) -> Response:
         body = await read_json_body(request, state.cfg.max_body_bytes)
-        req = P.parse_chat(body, state.limits, engine=state.cfg.backend)
+        req = P.parse_chat(body, state.limits, state.features)
         item = req.item_for(P.render_chat_prompt(req, tok))
         item = with_system_len(item, req.messages, tok, request.headers)
         who, gens = prepare(state, request, [item], "messages", req.user, chat=True)

@@ -34,7 +34,7 @@ def sglang_routes(state: ServerState) -> list[Route]:
 
     async def generate(request: HTTPRequest) -> Response:
         body = await read_json_body(request, state.cfg.max_body_bytes)
-        req = P.parse_generate(body, state.limits, engine=state.cfg.backend)
+        req = P.parse_generate(body, state.limits, state.features)
         param = "input_ids" if req.items[0].input_ids is not None else "text"
         who, gens = prepare(state, request, req.items, param, None)
         if req.stream:

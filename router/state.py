@@ -9,7 +9,6 @@ requests per minute and in flight, HTTP 429), and what a prompt is in tokens
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,7 @@ class ServerState:
     kv_capacity_tokens: int
     url: str = ""
     worker_urls: list[str] = field(default_factory=list)  # --backend sglang: the servers
+    features: P.EngineFeatures = P.NO_PASSTHROUGH  # what the protocol may pass to the engine
     started_s: float = field(default_factory=time.time)
     inflight: dict[str, int] = field(default_factory=dict)  # tenant -> calls in flight
     limiters: dict[str, Any] = field(default_factory=dict)  # tenant -> RateLimiter
@@ -64,13 +64,15 @@ class ServerState:
         kv_endpoints: list[str] | None = None,
         worker_urls: list[str] | None = None,
         follow_kv_events: bool = True,
+        features: P.EngineFeatures = P.NO_PASSTHROUGH,
     ) -> ServerState:
         """``kv_capacity_tokens`` / ``context_len``: one worker's KV pool and the model's
         context, as the launcher knows them before the workers start (a real engine's numbers
         replace them: ``adopt_engine_limits``). ``kv_endpoints``: where each worker publishes
         its KV events (default: the sim workers' sockets in ``ipc_dir``). Without KV events
         (``follow_kv_events=False``) the router's tree also takes each finished request's
-        output, as its best guess."""
+        output, as its best guess. ``features``: what the workers' engine honours beyond
+        the router's own fields (the parsers pass SGLang's extras through only with it)."""
         kv_cap = kv_capacity_tokens
         context = cfg.context_length or context_len
         oit = None
@@ -110,6 +112,7 @@ class ServerState:
             model_name=name,
             kv_capacity_tokens=kv_cap,
             worker_urls=list(worker_urls or []),
+            features=features,
             limiters=limiters,
         )
 
@@ -125,15 +128,11 @@ class ServerState:
         if model_name and not (self.cfg.served_model_name or self.cfg.model_path):
             self.model_name = model_name
 
-    def describe(self) -> str:
+    def describe(self, engine: str) -> str:
+        """One line for the launcher's ``ready`` message; ``engine`` names the engine (the
+        launcher's backend knows how)."""
         cfg = self.cfg
         auth = f"{len(self.tenants.tenants)} tenants" if self.tenants else "no auth"
-        if cfg.backend == "sglang":
-            engines = sorted({w.engine for w in self.service.workers.values() if w.engine})
-            engine = ", ".join(engines) or "sglang"
-        else:
-            speed = "zero-cost" if math.isinf(cfg.time_scale) else f"time-scale {cfg.time_scale:g}"
-            engine = f"{cfg.backend} {cfg.gpu} {cfg.model} ({speed})"
         return (
             f"dp={cfg.dp} · {engine} · "
             f"router {cfg.router_policy} · local {cfg.schedule_policy} · {auth}"

@@ -25,25 +25,34 @@ it started and remove the sockets. Errors in flags, the tenants file or the mode
 line naming the flag, exit 2.
 
 This is a command-line app (the top layer): it may import every layer below; nothing imports
-it. Modules: ``flags`` (the parser), ``config`` (the checked configuration), ``sglang`` (the
-SGLang servers and bridges), ``serve`` (the processes and the event loop).
+it. Modules: ``flags`` (the parser), ``config`` (the checked configuration), ``backends`` (one
+``Backend`` object per engine: its flags, checks, workers and what the protocol passes to
+it), ``workers`` (the worker processes of one launch; sim and torch), ``sglang`` (the SGLang
+servers and bridges), ``serve`` (the router process and the event loop).
 """
 
+from sgl_fair.launch.backends import BACKENDS, Backend, backend_of
 from sgl_fair.launch.config import LaunchConfig, local_policy_opts, parse_config
 from sgl_fair.launch.flags import build_parser, gpu_visible
 from sgl_fair.launch.ports import free_ports, port_free
-from sgl_fair.launch.serve import ProcessGroup, main, serve
+from sgl_fair.launch.serve import main, serve
 from sgl_fair.launch.sglang import (
     bridge_configs,
     probe_servers,
     sglang_server_command,
     sglang_servers,
 )
+from sgl_fair.launch.workers import LocalWorkers, ProcessGroup, Workers
 
 __all__ = [
+    "BACKENDS",
+    "Backend",
     "LaunchConfig",
+    "LocalWorkers",
     "ProcessGroup",
+    "Workers",
     "bridge_configs",
+    "backend_of",
     "build_parser",
     "free_ports",
     "gpu_visible",

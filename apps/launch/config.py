@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sgl_fair.config import ConfigError, TenantTable, load_tenants
+from sgl_fair.launch.backends import BACKENDS, TORCH_PRESETS, chosen_backend
 from sgl_fair.launch.flags import build_parser, gpu_visible
 from sgl_fair.policies import make_policy, policy_class, policy_names
 from sgl_fair.router.oit import SHARED_KEYS, ClusterOITConfig
 from sgl_fair.router.policies import make_router_policy, router_policy_names
 from sgl_fair.worker.kv.registry import make_allocator
-from sgl_fair.worker.sglang.settings import batch_selecting
-from sgl_fair.worker.sim.cost_model import CostModel
-from sgl_fair.worker.sim.hardware import GPUS, MODELS, get_gpu, get_model
+from sgl_fair.worker.sim.hardware import GPUS, get_gpu
 from sgl_fair.worker.sim.text import EosLengths
 
 log = logging.getLogger("sgl_fair.launch")
+
+__all__ = ["TORCH_PRESETS", "LaunchConfig", "cluster_oit_settings", "local_policy_opts",
+           "parse_config", "share_guard_on"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -114,46 +114,39 @@ def _kv(items: Sequence[str], flag: str) -> dict[str, Any]:
     return out
 
 
-_URL = re.compile(r"https?://[^/\s]+(/\S*)?")
-
-
 def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
+    """The checked configuration; a bad flag is one line naming it (exit 2). What depends on
+    the engine is the chosen backend's (``backends.py``)."""
     parser = build_parser()
     a, passthrough = parser.parse_known_args(argv)
 
     def bad(msg: str) -> None:
         parser.error(msg)  # exits 2 with the usage line and the message
 
-    backend = a.backend or ("sglang" if a.worker_url else "sim")
+    backend = chosen_backend(a)
     if a.model is None:
-        a.model = "tiny" if backend == "torch" else "Llama-3.1-8B"
-    model_path = a.model_path
-    torch_flags = [f"--{f.replace('_', '-')}" for f in TORCH_FLAGS if getattr(a, f) is not None]
-    if torch_flags and backend != "torch":
-        bad(f"{', '.join(torch_flags)}: only with --backend torch")
-    for f, default in TORCH_FLAGS.items():
-        if getattr(a, f) is None:
-            setattr(a, f, default)
+        a.model = backend.default_model
+    for other in BACKENDS.values():  # a backend's own flags, given with another
+        given = [f"--{f.replace('_', '-')}" for f in other.own_flags if getattr(a, f) is not None]
+        if given and other is not backend:
+            bad(f"{', '.join(given)}: only with --backend {other.name}")
+        for f, default in other.own_flags.items():
+            if getattr(a, f) is None:
+                setattr(a, f, default)
     if a.kv_allocator is None:
-        if a.kv_allocator_opt and backend != "sglang":
+        if a.kv_allocator_opt and backend.kv_allocator:
             bad("--kv-allocator-opt: name the allocator with --kv-allocator")
         a.kv_allocator = "token"
-    elif backend == "sglang":
+    elif not backend.kv_allocator:
         bad("--kv-allocator: SGLang servers allocate their own KV (sim or torch backends only)")
-    if a.kv_allocator_opt and backend == "sglang":
+    if a.kv_allocator_opt and not backend.kv_allocator:
         bad("--kv-allocator-opt: SGLang servers allocate their own KV (sim or torch backends only)")
     try:
         alloc_opts = _kv(a.kv_allocator_opt, "--kv-allocator-opt")
         make_allocator(a.kv_allocator, 4096, **alloc_opts)  # checks the options, names the bad one
     except ValueError as e:
         bad(f"--kv-allocator-opt: {e}")
-    if backend == "torch":
-        _check_torch(a, bad)
-        if model_path is None and os.path.isdir(a.model):
-            model_path = a.model  # the checkpoint's own tokenizer
-    if passthrough and backend != "sglang":
-        bad("unrecognized arguments: " + " ".join(passthrough))
-    dp = _check_sglang(a, backend, passthrough, bad)
+    dp = backend.check(a, passthrough, bad)
     if dp < 1:
         bad(f"--dp must be >= 1 (got {dp})")
     if not 0 <= a.port <= 65535:
@@ -162,7 +155,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         bad(f"--schedule-policy {a.schedule_policy!r} is unknown; choose from {policy_names()}")
     if a.router_policy not in router_policy_names():
         bad(f"--router-policy {a.router_policy!r} is unknown; choose from {router_policy_names()}")
-    for name, default in BACKEND_DEFAULTS.get(backend, BACKEND_DEFAULTS["sim"]).items():
+    for name, default in backend.defaults.items():
         if getattr(a, name) is None:
             setattr(a, name, default)
     for name in ("chunked_prefill_size", "max_running_requests", "kv_page_size", "max_body_bytes"):
@@ -188,15 +181,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         get_gpu(a.gpu)
     except (KeyError, ValueError):
         bad(f"--gpu {a.gpu!r} is unknown; choose from {sorted(GPUS)}")
-    if backend != "torch":
-        try:
-            get_model(a.model)
-        except (KeyError, ValueError):
-            bad(f"--model {a.model!r} is unknown; choose from {sorted(MODELS)}")
-        try:
-            CostModel.from_names(a.gpu, a.model, tp=a.tp if backend == "sim" else None)
-        except ValueError as e:
-            bad(f"--gpu/--model/--tp: {e}")
+    backend.check_model(a, bad)
     if a.tp is not None and a.tp < 1:
         bad(f"--tp must be >= 1 (got {a.tp})")
     if a.context_length is not None and a.context_length < 2:
@@ -210,11 +195,11 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
     ):
         if value is not None and not value > 0:
             bad(f"{flag} must be > 0 (got {value})")
-    if a.backend is None and backend == "sim" and gpu_visible():
+    if a.backend is None and backend.simulated and gpu_visible():
         log.warning("a GPU is visible; using the simulator (--backend sglang runs SGLang)")
     startup_timeout = a.startup_timeout
     if startup_timeout is None:
-        startup_timeout = 900.0 if backend == "sglang" else 120.0
+        startup_timeout = backend.startup_timeout_s
     try:
         sched_opts = _kv(a.schedule_policy_opt, "--schedule-policy-opt")
         router_opts = _kv(a.router_policy_opt, "--router-policy-opt")
@@ -237,21 +222,17 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
     if (
         a.schedule_low_priority_values_first
         and a.rt_priority_threshold is None
-        and (backend != "sglang")
+        and not backend.sglang_servers  # SGLang's own flag: its servers take it alone
     ):
         bad("--schedule-low-priority-values-first needs --rt-priority-threshold")
     worker_api_key = a.worker_api_key or os.environ.get("SGLFAIR_WORKER_API_KEY") or None
-    if a.worker_api_key is not None and backend != "sglang":
+    if a.worker_api_key is not None and not backend.sglang_servers:
         bad("--worker-api-key: only with --backend sglang (the SGLang servers' --api-key)")
-    # SGLang's own flag: the servers the launcher starts get it too
-    low_first_passthrough = (
-        a.schedule_low_priority_values_first and backend == "sglang" and not a.worker_url
-    )
     return LaunchConfig(
         dp=dp,
         host=a.host,
         port=a.port,
-        model_path=model_path,
+        model_path=a.model_path,
         served_model_name=a.served_model_name,
         schedule_policy=a.schedule_policy,
         schedule_policy_opts=sched_opts,
@@ -261,7 +242,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         cluster_oit_opts=oit_opts,
         chunked_prefill_size=a.chunked_prefill_size,
         max_running_requests=a.max_running_requests,
-        backend=backend,
+        backend=backend.name,
         gpu=a.gpu,
         model=a.model,
         tp=a.tp,
@@ -286,8 +267,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),
         worker_api_key=worker_api_key,
-        sglang_args=tuple(passthrough)
-        + (("--schedule-low-priority-values-first",) if low_first_passthrough else ()),
+        sglang_args=backend.server_args(a, passthrough),
         health_check_interval_s=a.health_check_interval,
         health_check_timeout_s=a.health_check_timeout,
         rt_priority_threshold=a.rt_priority_threshold,
@@ -298,78 +278,6 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         kv_allocator=a.kv_allocator,
         kv_allocator_opts=alloc_opts,
     )
-
-
-# Flags whose default depends on the engine; None leaves the engine's own choice (SGLang
-# sizes both per GPU), so the launcher passes them to SGLang only when the user gave them.
-BACKEND_DEFAULTS: dict[str, dict[str, int | None]] = {
-    "sim": {"chunked_prefill_size": 8192, "max_running_requests": 256},
-    "torch": {"chunked_prefill_size": 8192, "max_running_requests": 256},
-    "sglang": {"chunked_prefill_size": None, "max_running_requests": None},
-}
-
-TORCH_PRESETS = ("tiny",)  # worker/torch_engine/model.py's PRESETS (checked by its tests)
-
-
-# --backend torch's flags and their defaults (given with another backend they are an error).
-TORCH_FLAGS = {"torch_dtype": "float32", "torch_device": "cpu", "torch_attention": "reference"}
-
-
-def _check_torch(a: argparse.Namespace, bad: Any) -> None:
-    """The --backend torch flags' checks (torch itself is imported by the workers only)."""
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        bad("--backend torch needs torch (pip install -e '.[kernels]')")
-    if a.model not in TORCH_PRESETS and not os.path.isdir(a.model):
-        bad(f"--model {a.model!r}: --backend torch takes {', '.join(TORCH_PRESETS)} or a local "
-            "Hugging Face Llama checkpoint directory (config.json + *.safetensors)")  # fmt: skip
-    if a.tp not in (None, 1):
-        bad("--backend torch runs one device per worker (no --tp)")
-    if a.torch_attention == "triton" and not a.torch_device.startswith("cuda"):
-        bad("--torch-attention triton needs --torch-device cuda")
-
-
-def _check_sglang(a: argparse.Namespace, backend: str, passthrough: list[str], bad: Any) -> int:
-    """The --backend sglang flags' checks; returns dp (the number of --worker-url if given)."""
-    urls, kv = a.worker_url, a.worker_kv_endpoint
-    if backend != "sglang":
-        if urls or kv:
-            bad("--worker-url / --worker-kv-endpoint need --backend sglang")
-        return 1 if a.dp is None else a.dp
-    if not urls:
-        if kv:
-            bad("--worker-kv-endpoint needs --worker-url (the servers it belongs to)")
-        if a.schedule_policy in policy_names() and batch_selecting(policy_class(a.schedule_policy)):
-            bad(
-                f"--schedule-policy {a.schedule_policy} chooses whole running batches, which "
-                "SGLang's scheduler does not let our plugin do; use --backend sim or torch"
-            )
-        if not a.model_path:
-            bad(
-                "--backend sglang needs --model-path (the model each SGLang server loads) "
-                "or --worker-url (SGLang servers already running)"
-            )
-        return 1 if a.dp is None else a.dp
-    if a.dp is not None and a.dp != len(urls):
-        bad(f"--dp {a.dp} does not match the {len(urls)} --worker-url given (one per worker)")
-    for url in urls:
-        if not _URL.fullmatch(url):
-            bad(f"--worker-url {url!r} is not an http:// or https:// URL")
-    if kv and len(kv) != len(urls):
-        bad(
-            f"--worker-kv-endpoint given {len(kv)} times for {len(urls)} --worker-url; "
-            "give one per URL, in the same order, or none"
-        )
-    for ep in kv:
-        if not ep.startswith(("tcp://", "ipc://")):
-            bad(f"--worker-kv-endpoint {ep!r} is not a zmq tcp:// or ipc:// endpoint")
-    if passthrough:
-        bad(
-            f"{' '.join(passthrough)}: unknown flags go to the SGLang servers the launcher "
-            "starts; with --worker-url it starts none"
-        )
-    return len(urls)
 
 
 def share_guard_on(cfg: LaunchConfig) -> bool:

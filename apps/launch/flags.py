@@ -9,6 +9,7 @@ import argparse
 import os
 import shutil
 
+from sgl_fair.launch.backends import backend_names
 from sgl_fair.policies import policy_names
 from sgl_fair.router.policies import router_policy_names
 from sgl_fair.worker.sim.hardware import GPUS, MODELS
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: 256 (sim, torch); sglang: SGLang's own (per GPU) unless given",
     )  # fmt: skip
     p.add_argument(
-        "--backend", choices=("sim", "sglang", "torch"), default=None,
+        "--backend", choices=backend_names(), default=None,
         help="engine: 'sim' (simulated GPU; the default), 'sglang' (real SGLang servers; "
         "implied by --worker-url) or 'torch' (a Llama model in plain torch in each worker: "
         "--model tiny or a checkpoint directory). With sglang, flags this launcher does not "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -13,9 +14,72 @@ from typing import Any
 from sgl_fair.config import TenantTable
 from sgl_fair.launch.config import LaunchConfig, local_policy_opts
 from sgl_fair.launch.ports import free_ports
-from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess
+from sgl_fair.launch.workers import Workers
+from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess, WatchedWorker
+
+log = logging.getLogger("sgl_fair.launch")
 
 # ---- --backend sglang --------------------------------------------------------------------------
+
+
+class SGLangWorkers(Workers):
+    """``--backend sglang``: the SGLang servers (the ``dp`` the launcher starts, or the
+    ``--worker-url`` ones already running) and one bridge process in front of each; a worker
+    is alive while both its bridge and its server are. Servers are not restarted: a start
+    takes minutes and a failure usually needs an operator."""
+
+    def __init__(self, cfg: LaunchConfig, tenants: TenantTable | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tenants = tenants
+        self.servers: ServerGroup | None = None
+        self.urls = list(cfg.worker_urls)
+        self.kv_endpoints = list(cfg.worker_kv_endpoints) or None
+        if not self.urls:
+            self.servers = sglang_servers(cfg, tenants)
+            self.urls = [server_url(s.argv) for s in self.servers.servers]
+            self.kv_endpoints = [server_kv_endpoint(s.argv) for s in self.servers.servers]
+        if self.kv_endpoints is None:
+            log.warning("no --worker-kv-endpoint: the router tracks the servers' caches by guess")
+        self.follow_kv_events = self.kv_endpoints is not None
+
+    def start_servers(self) -> None:
+        if self.servers is not None:
+            log_dir = os.path.dirname(self.servers.servers[0].log_path)
+            print(f"starting {self.cfg.dp} SGLang servers (logs in {log_dir})", flush=True)
+            self.servers.start()  # before any thread exists: they are forked with a death signal
+
+    def start(self, state: Any) -> None:
+        from sgl_fair.worker.sglang.bridge import bridge_main
+
+        servers = self.servers
+        pids = [s.pid for s in servers.servers] if servers else [None] * len(self.urls)
+        bridges = bridge_configs(
+            self.cfg, state.service.endpoints.base, self.urls, pids, self.tenants
+        )
+        self.procs.start(bridges, bridge_main)
+        self.watch(state)
+
+    def watch(self, state: Any) -> None:
+        for i, proc in enumerate(self.procs.procs):
+            watched = proc if self.servers is None else WatchedWorker(proc, self.servers.servers[i])
+            state.service.watch_process(i, watched)
+
+    async def ready(self, state: Any) -> None:
+        infos = await probe_servers(self.urls, self.cfg.worker_api_key)
+        contexts = [x.context_len for x in infos if x.context_len]
+        state.adopt_engine_limits(
+            context_len=min(contexts) if contexts else None,
+            model_name=next((x.model_path for x in infos if x.model_path), None),
+        )
+
+    def startup_error(self, e: Exception) -> str:
+        return startup_error(e, self.servers)
+
+    def stop(self) -> None:
+        self.procs.stop()
+        if self.servers is not None:
+            self.servers.stop()
 
 
 def sglang_server_command(

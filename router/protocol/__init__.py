@@ -27,6 +27,8 @@ Pure: no network, no torch, no sglang.
 from sgl_fair.router.protocol.errors import ProtocolError, error_type
 from sgl_fair.router.protocol.requests_common import (
     DEFAULT_LIMITS,
+    NO_PASSTHROUGH,
+    EngineFeatures,
     GenItem,
     Limits,
     SamplingParams,
@@ -78,10 +80,12 @@ from sgl_fair.router.protocol.scheduling import resolve as resolve_scheduling
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "NO_PASSTHROUGH",
     "SSE_DONE",
     "ChatRequest",
     "Completion",
     "CompletionRequest",
+    "EngineFeatures",
     "FinishInfo",
     "GenItem",
     "GenerateRequest",

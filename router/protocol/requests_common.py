@@ -12,8 +12,9 @@ ignored, as SGLang ignores them (gateways add fields; SGLang's own clients send 
 newer releases), but unknown keys inside ``sampling_params`` are a 400 naming them, as SGLang
 refuses them. Every known field's *value* is checked and a bad one is a 400 naming it.
 Features that only a real engine has (constrained decoding, LoRA, custom logit processors,
-images) are passed through untouched to SGLang on ``--backend sglang`` (``engine="sglang"``)
-and refused on the simulated engine with a 400 that says why, never silently dropped.
+images) are passed through untouched to an engine that takes them (``--backend sglang``:
+:class:`EngineFeatures` ``passthrough``) and refused on the others with a 400 that says why,
+never silently dropped.
 ``null`` always means "not given": SGLang's own frontend sends ``"regex": null`` and
 ``"json_schema": null`` with every request.
 
@@ -250,6 +251,23 @@ def _v_null_only(v: Any, path: str, limits: Limits) -> None:
         raise _unsupported(path)
 
 
+@dataclass(frozen=True)
+class EngineFeatures:
+    """What the workers' engine honours beyond the router's own fields; the parsers ask this,
+    never the engine's name (the launcher's backend declares it: ``--backend sglang``'s
+    servers pass through, the simulated and torch engines do not).
+
+    ``passthrough``: the fields only a real engine can honour (constrained decoding,
+    ``logit_bias``, LoRA, custom logit processors, multimodal input, sessions, ...) go to it
+    untouched (``SamplingParams.engine_extra``, ``GenItem.extra``); without it each one set
+    is a 400 that says why, never silently dropped."""
+
+    passthrough: bool = False
+
+
+NO_PASSTHROUGH = EngineFeatures()
+
+
 SIM_ONLY = "on the simulated engine; it is passed through to SGLang on --backend sglang"
 
 
@@ -260,8 +278,8 @@ def sim_refusal(path: str, why: str) -> ProtocolError:
 
 @dataclass(frozen=True)
 class _Pass:
-    """A key passed through untouched to SGLang (``engine="sglang"``), refused on the
-    simulated engine with ``why`` when it is set; ``check`` validates its value first."""
+    """A key passed through untouched to an engine with ``EngineFeatures.passthrough``,
+    refused on the others with ``why`` when it is set; ``check`` validates its value first."""
 
     why: str
     check: Any = None
@@ -356,12 +374,12 @@ def _sampling_from(
     table: _Fields,
     prefix: str,
     limits: Limits,
-    engine: str = "sim",
+    features: EngineFeatures = NO_PASSTHROUGH,
     **defaults: Any,
 ) -> SamplingParams:
     """Validate the keys of ``obj`` found in ``table``; unknown keys are the caller's job.
-    ``_Pass`` keys go to ``engine_extra`` for ``engine="sglang"``; the simulated engine
-    refuses them when set (``false``/``null``/empty mean not set)."""
+    ``_Pass`` keys go to ``engine_extra`` when ``features.passthrough``; otherwise they are
+    refused when set (``false``/``null``/empty mean not set)."""
     values: dict[str, Any] = dict(defaults)
     extra: dict[str, Any] = {}
     for key, value in obj.items():
@@ -373,7 +391,7 @@ def _sampling_from(
                 spec.check(value, prefix + key, limits)
             if _empty(value):
                 continue
-            if engine != "sglang":
+            if not features.passthrough:
                 raise sim_refusal(prefix + key, spec.why)
             extra[key] = value
             continue

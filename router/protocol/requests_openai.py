@@ -19,6 +19,8 @@ from sgl_fair.router.protocol.errors import ProtocolError
 from sgl_fair.router.protocol.requests_common import (
     _COMMON_SAMPLING,
     DEFAULT_LIMITS,
+    NO_PASSTHROUGH,
+    EngineFeatures,
     GenItem,
     Limits,
     SamplingParams,
@@ -94,7 +96,7 @@ _OPENAI_SAMPLING: _Fields = {
 
 
 def _openai_common(
-    obj: dict[str, Any], limits: Limits, engine: str, **defaults: Any
+    obj: dict[str, Any], limits: Limits, features: EngineFeatures, **defaults: Any
 ) -> tuple[str, SamplingParams, bool, str | None, dict[str, Any] | None]:
     """``model``, sampling, ``stream``, ``user`` and the fields passed through to SGLang:
     shared by both endpoints. Unknown keys are ignored, as SGLang ignores them; ``model``
@@ -108,7 +110,7 @@ def _openai_common(
         v = obj.get(key)
         if _empty(v):
             continue
-        if engine != "sglang":
+        if not features.passthrough:
             raise sim_refusal(key, why)
         extra[key] = v
     for key in ("return_hidden_states", "return_routed_experts"):
@@ -117,7 +119,7 @@ def _openai_common(
     for key, check in _OPENAI_HARMLESS.items():
         if obj.get(key) is not None:
             check(obj[key], key)
-    sampling = _sampling_from(obj, _OPENAI_SAMPLING, "", limits, engine, **defaults)
+    sampling = _sampling_from(obj, _OPENAI_SAMPLING, "", limits, features, **defaults)
     stream = obj.get("stream")
     stream = False if stream is None else _bool(stream, "stream")
     user = obj.get("user")
@@ -179,7 +181,7 @@ CHAT_FIELDS = _OPENAI_BASE_KEYS | {
 
 
 def parse_completion(
-    body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
+    body: bytes, limits: Limits = DEFAULT_LIMITS, features: EngineFeatures = NO_PASSTHROUGH
 ) -> CompletionRequest:
     """Parse and validate OpenAI's ``POST /v1/completions`` body.
 
@@ -192,7 +194,7 @@ def parse_completion(
     ``stop_token_ids``, ``routing_key``, ``rid``, ...) are accepted.
     """
     obj = _load_object(body)
-    model, sampling, stream, user, extra = _openai_common(obj, limits, engine, max_new_tokens=16)
+    model, sampling, stream, user, extra = _openai_common(obj, limits, features, max_new_tokens=16)
     if "prompt" not in obj or obj["prompt"] is None:
         raise ProtocolError(400, "prompt is required", "prompt")
     prompts, are_ids, is_batch = _prompts(
@@ -307,7 +309,9 @@ def _message(m: Any, i: int) -> dict[str, str]:
     return {"role": role, "content": "\n".join(texts)}
 
 
-def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim") -> ChatRequest:
+def parse_chat(
+    body: bytes, limits: Limits = DEFAULT_LIMITS, features: EngineFeatures = NO_PASSTHROUGH
+) -> ChatRequest:
     """Parse and validate OpenAI's ``POST /v1/chat/completions`` body.
 
     ``messages``: a non-empty list of ``{"role", "content"}`` with role system, user,
@@ -319,7 +323,7 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
     """
     obj = _load_object(body)
     model, sampling, stream, user, extra = _openai_common(
-        obj, limits, engine, max_new_tokens=limits.new_tokens_cap
+        obj, limits, features, max_new_tokens=limits.new_tokens_cap
     )
     if obj.get("max_completion_tokens") is not None:
         sampling = replace(
@@ -338,7 +342,7 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
         raise _bad("messages", "a non-empty list of messages", messages)
     normalized = [_message(m, i) for i, m in enumerate(messages)]
 
-    sampling = _response_format(obj.get("response_format"), sampling, engine)
+    sampling = _response_format(obj.get("response_format"), sampling, features)
     for key in ("tools", "functions"):
         if not _empty(obj.get(key)):
             raise ProtocolError(400, f"{key}: tool calling is not supported by this server", key)
@@ -404,7 +408,7 @@ def parse_chat(body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
     )
 
 
-def _response_format(rf: Any, sampling: SamplingParams, engine: str) -> SamplingParams:
+def _response_format(rf: Any, sampling: SamplingParams, features: EngineFeatures) -> SamplingParams:
     """OpenAI's ``response_format``: ``text`` is the default; ``json_object`` /
     ``json_schema`` / ``structural_tag`` become SGLang's constrained-decoding sampling keys
     on ``--backend sglang`` (as SGLang's OpenAI layer does) and are refused on the sim."""
@@ -416,7 +420,7 @@ def _response_format(rf: Any, sampling: SamplingParams, engine: str) -> Sampling
     if kind not in ("json_object", "json_schema", "structural_tag"):
         kinds = '"text", "json_object", "json_schema" or "structural_tag"'
         raise _bad("response_format.type", kinds, kind)
-    if engine != "sglang":
+    if not features.passthrough:
         raise sim_refusal("response_format", f"constrained decoding ({kind})")
     if kind == "json_object":
         extra = {"json_schema": '{"type": "object"}'}

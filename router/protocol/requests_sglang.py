@@ -20,6 +20,8 @@ from sgl_fair.router.protocol.errors import ProtocolError
 from sgl_fair.router.protocol.requests_common import (
     _COMMON_SAMPLING,
     DEFAULT_LIMITS,
+    NO_PASSTHROUGH,
+    EngineFeatures,
     GenItem,
     Limits,
     SamplingParams,
@@ -104,12 +106,12 @@ def _with_slo(hints: Hints | None, slo: tuple[float, float] | None) -> Hints | N
     )
 
 
-def _native_sampling(v: Any, path: str, limits: Limits, engine: str) -> SamplingParams:
+def _native_sampling(v: Any, path: str, limits: Limits, features: EngineFeatures) -> SamplingParams:
     sp = _obj(v, path)
     for key in sp:
         if key not in _NATIVE_SAMPLING:
             raise ProtocolError(400, f"unknown field {path}.{key}", f"{path}.{key}")
-    params = _sampling_from(sp, _NATIVE_SAMPLING, path + ".", limits, engine)
+    params = _sampling_from(sp, _NATIVE_SAMPLING, path + ".", limits, features)
     if params.n > 1 and params.engine_extra and "beam_width" in params.engine_extra:
         raise ProtocolError(400, f"{path}.n: give n or beam_width, not both", f"{path}.n")
     return params
@@ -280,10 +282,10 @@ _PER_PROMPT = frozenset(
 
 
 def _passthrough(
-    obj: dict[str, Any], engine: str, n: int, is_batch: bool
+    obj: dict[str, Any], features: EngineFeatures, n: int, is_batch: bool
 ) -> list[dict[str, Any] | None]:
-    """The top-level fields each prompt passes through to SGLang (``engine="sglang"``); on
-    the simulated engine, a 400 for any that cannot be honoured."""
+    """The top-level fields each prompt passes through to the engine (``features``
+    ``passthrough``: SGLang); without passthrough, a 400 for any that cannot be honoured."""
     for key, why in _GENERATE_REFUSED.items():
         v = obj.get(key)
         if not _empty(v) and not (type(v) is list and all(_empty(x) for x in v)):
@@ -294,7 +296,7 @@ def _passthrough(
     for key, check in _GENERATE_FORWARD.items():
         if obj.get(key) is not None:
             check(obj[key], key)
-    if engine != "sglang":
+    if not features.passthrough:
         for key, why in _GENERATE_SIM_REFUSED.items():
             v = obj.get(key)
             if key == "modalities" and v in (["text"], ("text",)):
@@ -332,7 +334,7 @@ def _per_item(v: Any, path: str, n: int, is_batch: bool, check: Any) -> list[Any
 
 
 def parse_generate(
-    body: bytes, limits: Limits = DEFAULT_LIMITS, engine: str = "sim"
+    body: bytes, limits: Limits = DEFAULT_LIMITS, features: EngineFeatures = NO_PASSTHROUGH
 ) -> GenerateRequest:
     """Parse and validate SGLang's ``POST /generate`` body.
 
@@ -343,10 +345,10 @@ def parse_generate(
     HTTP response). Token ids are checked for being >= 0 here and against the vocabulary
     by the server (:func:`check_ids`), which knows the tokenizer.
 
-    Unknown top-level fields are ignored (SGLang's contract); ``engine`` is the backend
-    (``"sim"`` or ``"sglang"``): what only SGLang can honour is passed through for
-    ``"sglang"`` (``GenItem.extra``, ``SamplingParams.engine_extra``) and refused for
-    ``"sim"``. ``sampling_params.n`` > 1 asks for that many samples of each prompt.
+    Unknown top-level fields are ignored (SGLang's contract); ``features`` is what the
+    workers' engine honours: what only a real engine can is passed through when it has
+    ``passthrough`` (SGLang: ``GenItem.extra``, ``SamplingParams.engine_extra``) and refused
+    otherwise. ``sampling_params.n`` > 1 asks for that many samples of each prompt.
     """
     obj = _load_object(body)
 
@@ -382,11 +384,11 @@ def parse_generate(
 
         def native(v: Any, p: str) -> tuple[SamplingParams, tuple[float, float] | None]:
             v, slo = _take_slo(v, p)
-            return _native_sampling(v, p, limits, engine), slo
+            return _native_sampling(v, p, limits, features), slo
 
         pairs = _per_item(sp, "sampling_params", n, is_batch, native)
         samplings, slos = [s for s, _ in pairs], [slo for _, slo in pairs]
-    extras = _passthrough(obj, engine, n, is_batch)
+    extras = _passthrough(obj, features, n, is_batch)
 
     def opt(key: str, default: Any, check: Any) -> list[Any]:
         v = obj.get(key)

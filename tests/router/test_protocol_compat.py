@@ -54,10 +54,10 @@ def test_n_expands_to_samples_with_their_own_rids():
 
 def test_passthrough_only_on_sglang():
     body = j({"text": "hi", "sampling_params": {"json_schema": "{}", "logit_bias": {"1": 2}}})
-    sp = P.parse_generate(body, LIMITS, "sglang").items[0].sampling
+    sp = P.parse_generate(body, LIMITS, P.EngineFeatures(passthrough=True)).items[0].sampling
     assert engine_sampling(sp) == {"json_schema": "{}", "logit_bias": {"1": 2}}
     with pytest.raises(P.ProtocolError) as e:
-        P.parse_generate(body, LIMITS, "sim")
+        P.parse_generate(body, LIMITS, P.NO_PASSTHROUGH)
     assert "not possible on the simulated engine" in e.value.message
     # null / false / empty mean "not set" on both
     P.parse_generate(j({"text": "hi", "lora_path": None, "image_data": [], "regex": None}))

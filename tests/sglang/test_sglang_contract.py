@@ -36,8 +36,12 @@ API_SAMPLING = list(A.SamplingParams.__struct_fields__)
 LIMITS = P.Limits(context_len=4096)
 
 
+# what each backend's engine honours beyond the router's own fields (apps/launch/backends.py)
+FEATURES = {"sim": P.NO_PASSTHROUGH, "sglang": P.EngineFeatures(passthrough=True)}
+
+
 def parse(body: dict, engine: str = "sim") -> P.GenerateRequest:
-    return P.parse_generate(json.dumps(body).encode(), LIMITS, engine)
+    return P.parse_generate(json.dumps(body).encode(), LIMITS, FEATURES[engine])
 
 
 def test_the_pinned_contract_is_the_one_we_know():
@@ -275,11 +279,11 @@ def test_openai_passthrough_on_sglang_and_refusal_on_sim():
         "lora_path": "adapter",
         "brand_new": 1,
     }
-    req = P.parse_chat(json.dumps(chat).encode(), LIMITS, "sglang")
+    req = P.parse_chat(json.dumps(chat).encode(), LIMITS, FEATURES["sglang"])
     assert req.item.sampling.engine_extra == {"json_schema": '{"type":"object"}'}
     assert req.item.extra == {"lora_path": "adapter"}
     with pytest.raises(P.ProtocolError) as e:
-        P.parse_chat(json.dumps(chat).encode(), LIMITS, "sim")
+        P.parse_chat(json.dumps(chat).encode(), LIMITS, FEATURES["sim"])
     assert e.value.param in ("lora_path", "response_format")
     assert "not possible on the simulated engine" in e.value.message
 
