@@ -112,3 +112,6 @@ def test_bicache_paper_setting_is_opt30b_tp4_on_a100_40gb():
     duration, cells = bb.paper_cells(quick=False)
     assert duration == 60.0
     assert {r for s, r, _ in cells if s is bb.PAPER} == {6.0, 8.0, 10.0, 12.0, 14.0}
+    assert {(s.admission, r) for s, r, _ in cells if s is bb.PAPER_RESERVE} == {("reserve", 10.0)}
+    duration, cells = bb.paper_cells(quick=True)
+    assert duration == 15.0 and {(s, r) for s, r, _ in cells} == {(bb.PAPER, 10.0)}
