@@ -24,9 +24,12 @@ def test_registered_with_every_setup_and_overrides_keep_them_apart():
     assert {1, 2, 4, 8} == {r for r, _ in shared}
     assert {0.01, 0.1, 0.5} == {p for r, p in shared if r == 4}
     assert {s.replicas for s in specs if s.replicas and not s.shared_state} == {2, 4, 8}
-    assert sum(s.replicas is None for s in specs) == 1  # one plain router per scenario
+    assert sum(s.replicas is None for s in specs) == 2  # one plain router per scenario
+    assert {s.scenario for s in specs} == {"s1", "s2"}
     assert {s.dp for s in specs} == {4} and {s.workload for s in specs} == {"tot"}
     assert len(apply_overrides(specs, Overrides(dp=4))) == len(specs)
+    s1 = apply_overrides(specs, Overrides(scenario="s1"))
+    assert s1 == [s for s in specs if s.scenario == "s1"]
     full = exp.build(False, 0)
     assert {s.scenario for s in full} == {"s1", "s2"}
     assert {(s.replicas, s.report_period_s) for s in full if s.shared_state and s.replicas} == (
