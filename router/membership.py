@@ -96,7 +96,8 @@ class Membership:
         m = self._member(wid)
         if m.draining_since is None:
             m.draining_since = self.service.clock()
-            self.service.router.drain_worker(wid)
+            if wid in self.service.router.workers:  # else it takes nothing anyway
+                self.service.router.drain_worker(wid)
             log.warning("worker %d draining (%d in flight)", wid, self.in_flight(wid))
 
     async def remove(self, wid: int, *, drain: bool = True) -> None:
@@ -138,7 +139,11 @@ class Membership:
             await asyncio.sleep(self.period_s)
             now = self.service.clock()
             for m in list(self.members.values()):
-                if m.draining_since is None or m.link is None:
+                if m.draining_since is None:
+                    continue
+                if m.wid in self.service.router.workers:  # came back (Hello) while draining
+                    self.service.router.drain_worker(m.wid)
+                if m.link is None:
                     continue
                 if self.in_flight(m.wid) == 0:
                     await self._finish(m, "drained")

@@ -80,6 +80,7 @@ class Router:
         self._loads: dict[int, Load] = {}
         self._load_seen: dict[int, float] = {}  # when (router clock) the latest Load came
         self._evicted_s: dict[int, float] = {}  # latest Evicted.t_s per worker
+        self._draining: set[int] = set()  # alive, finishing their requests, chosen for none
 
     # ---- RouterView ------------------------------------------------------------------------
 
@@ -243,7 +244,8 @@ class Router:
         if worker not in self._queue_len:
             return []
         del self._queue_len[worker]
-        self._workers = tuple(sorted(self._queue_len))
+        self._draining.discard(worker)
+        self._workers = self._choosable()
         self._loads.pop(worker, None)
         self._load_seen.pop(worker, None)
         self._evicted_s.pop(worker, None)
@@ -261,15 +263,33 @@ class Router:
         if worker in self._queue_len:
             return
         self._queue_len[worker] = 0
-        self._workers = tuple(sorted(self._queue_len))
+        self._workers = self._choosable()
         self._stats(worker)
+
+    def drain_worker(self, worker: int, draining: bool = True) -> None:
+        """Choose ``worker`` for no new request (``draining=False``: again) while what it
+        has runs on and is accounted as before (a rolling restart's drain)."""
+        if worker not in self._queue_len:
+            raise ValueError(f"worker {worker} is not alive")
+        if draining:
+            self._draining.add(worker)
+        else:
+            self._draining.discard(worker)
+        self._workers = self._choosable()
+
+    @property
+    def draining(self) -> frozenset[int]:
+        return frozenset(self._draining)
+
+    def _choosable(self) -> tuple[int, ...]:
+        return tuple(sorted(u for u in self._queue_len if u not in self._draining))
 
     # ---- invariants ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
         alive = set(self._queue_len)
-        assert self._workers == tuple(sorted(alive)), "workers tuple out of date"
+        assert self._workers == tuple(sorted(alive - self._draining)), "workers tuple out of date"
         dead_held = self.tree.workers() - alive
         assert not dead_held, f"dead workers {sorted(dead_held)} still hold prefixes"
         counts = dict.fromkeys(alive, 0)

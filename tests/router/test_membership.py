@@ -42,7 +42,7 @@ def service() -> tuple[RouterService, Membership]:
         Router(make_router_policy("rr"), 1),
         Endpoints.ipc(tempfile.mkdtemp(prefix="sgl-fair-m-")),
         0,
-        heartbeat_timeout_s=2.0,
+        heartbeat_timeout_s=10.0,
     )
     return svc, Membership(svc, name="t", period_s=0.05)
 
@@ -93,6 +93,41 @@ def test_an_endpoint_nobody_serves_is_starting_and_backs_off() -> None:
         with pytest.raises(MembershipError) as bad:
             m.add("127.0.0.1:1")
         assert bad.value.status == 400 and "tcp://HOST:PORT" in str(bad.value)
+        await m.close()
+        await svc.close()
+
+    asyncio.run(main())
+
+
+def test_add_drain_and_remove_at_run_time(two_workers) -> None:
+    a_ep, b_ep = two_workers
+
+    async def main() -> None:
+        svc, m = service()
+        await svc.start()
+        m.start()
+        a = m.add(a_ep)
+        await until(lambda: m.state(a) == "ready")
+        with pytest.raises(MembershipError) as dup:
+            m.add(a_ep)
+        assert dup.value.status == 409
+        b = m.add(b_ep)
+        assert m.state(b) == "starting"
+        await until(lambda: m.state(b) == "ready")
+        long_b = None
+        calls = [svc.submit(req(f"r{i}", 80), "t") for i in range(4)]
+        assert {c.worker for c in calls} == {a, b}  # both take requests
+        long_b = next(c for c in calls if c.worker == b)
+        m.drain(b)
+        assert m.state(b) == "draining"
+        later = [svc.submit(req(f"later{i}"), "t") for i in range(4)]
+        assert {c.worker for c in later} == {a}  # nothing new for a draining worker
+        await until(lambda: long_b.done.is_set())
+        assert long_b.finished is not None and long_b.finished.ok  # its own finish
+        await until(lambda: b not in m.members)  # then it is removed
+        assert b not in svc.workers and svc.router.workers == (a,)
+        await asyncio.wait_for(asyncio.gather(*(c.done.wait() for c in calls + later)), 10)
+        assert all(c.finished is not None and c.finished.ok for c in calls + later)
         await m.close()
         await svc.close()
 

@@ -27,7 +27,7 @@ def replica(name: str, port: int) -> tuple[RouterService, RemoteLink]:
         Router(make_router_policy("rr"), 1),
         Endpoints.ipc(tempfile.mkdtemp(prefix=f"sgl-fair-{name}-")),
         0,
-        heartbeat_timeout_s=1.0,
+        heartbeat_timeout_s=3.0,
     )
     return svc, RemoteLink(svc, 0, f"tcp://127.0.0.1:{port}", name=name, attach_period_s=0.2)
 
@@ -127,7 +127,7 @@ def test_replicas_share_one_fairness_state_through_the_worker(worker_port) -> No
         router = ReplicaRouter(make_router_policy("d2lpm"), 1, replica=rid)
         svc = RouterService(
             router, Endpoints.ipc(tempfile.mkdtemp(prefix=f"sgl-fair-{name}-")), 0,
-            heartbeat_timeout_s=2.0,
+            heartbeat_timeout_s=10.0,
         )  # fmt: skip
         return svc, RemoteLink(svc, 0, f"tcp://127.0.0.1:{port}", name=name)
 
