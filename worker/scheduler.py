@@ -26,10 +26,10 @@ is ``scheduler_liveness.py``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import replace
 
-from sgl_fair.policies.base import Policy, Rejection
+from sgl_fair.policies.base import Policy, PolicyCaps, Rejection
 from sgl_fair.radix import MatchMemo
 from sgl_fair.records import EventKind, ServiceEvent
 from sgl_fair.request import Phase, Request
@@ -68,19 +68,16 @@ class Scheduler(SchedulerViewMixin):
         cost: IterationCost | None = None,
     ) -> None:
         self.policy = policy
+        self.policy_caps = caps = PolicyCaps.of(policy)  # checked once: never probed again
         self.cost = cost  # the iteration cost model, for batch-selecting policies
         self.kv = kv
         # Block allocators: decode growth is checked per request (a token count cannot say
         # whether a block is free), and checkpointed KV (bidirectional) is restored first.
-        self._checkpointing = (
-            hasattr(kv.allocator, "restore_plan") or getattr(kv.allocator, "block_size", 1) > 1
-        )
-        self._checkpointed_of = getattr(kv.allocator, "checkpointed_slots", None)
+        self._checkpointing = kv.per_request_growth
         # Optional seam: a policy that throttles only under overload (FairServe's OIT) reads
         # the worker's KV usage through this probe.
-        attach_load = getattr(policy, "attach_load", None)
-        if attach_load is not None:
-            attach_load(self.kv_usage)
+        if caps.attach_load is not None:
+            caps.attach_load(self.kv_usage)
         self.config = config or SchedulerConfig()
         self.log = log if log is not None else RunLog()
         self.stats = SchedulerStats()
@@ -206,7 +203,7 @@ class Scheduler(SchedulerViewMixin):
 
     def _next_batch(self) -> Batch | None:
         self.kv.unpin_all()  # what the last step prefilled may be overwritten again
-        select = getattr(self.policy, "select_batch", None)
+        select = self.policy_caps.select_batch
         if select is not None:
             return step_selected(self, select)
         every = self.config.recheck_blocked_every
@@ -347,9 +344,8 @@ class Scheduler(SchedulerViewMixin):
                     self.chunked = req
                     break
         finally:
-            close = getattr(walk, "close", None)  # generators: run their cleanup now
-            if close is not None:
-                close()
+            if isinstance(walk, Generator):  # run its cleanup now
+                walk.close()
         if chunks:
             self.waiting = without(self.waiting, [c.req for c in chunks])
             memo = self._match_memo
@@ -400,7 +396,7 @@ class Scheduler(SchedulerViewMixin):
         """Whom to retract from ``pool`` (default: the running requests): the policy's
         ``victim``, else — with the share guard — one of the largest holder's, else SGLang's."""
         pool = self.running if pool is None else pool
-        victim_fn = getattr(self.policy, "victim", None)
+        victim_fn = self.policy_caps.victim
         if victim_fn is not None:
             return victim_fn(pool)
         if self.config.share_guard:

@@ -10,7 +10,6 @@ prefix handles) and holds none.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sgl_fair.request import Request
@@ -28,7 +27,6 @@ class SchedulerViewMixin:
     _now: float
     _match_memo: dict[Request, MatchMemo]
     _handles: dict[Request, PrefixHandle]
-    _checkpointed_of: Callable[[Request], int] | None
     new_token_ratio: float
     # and ``Scheduler._reserved_tokens(req)``: the running requests' reserved KV
 
@@ -91,5 +89,4 @@ class SchedulerViewMixin:
 
     def checkpointed_slots(self, req: Request) -> int:
         """KV tokens of ``req`` checkpointed to host (0 unless the allocator checkpoints)."""
-        fn = self._checkpointed_of  # BROS asks for every candidate, every iteration
-        return fn(req) if fn is not None else 0
+        return self.kv.checkpointed_slots(req)

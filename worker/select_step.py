@@ -147,7 +147,7 @@ def _retract_paused(sched: Scheduler, decode: list[Request], blocked: Request) -
     """Blocks, not tokens, may be short: retract one paused request (BE first) for room;
     False when every running request is a chosen decode. A policy that ``recomputes_blocked``
     (vLLM's way; BROS's "No Bi-cache" baseline) retracts ``blocked`` itself instead: False."""
-    if getattr(sched.policy, "recomputes_blocked", False):
+    if sched.policy_caps.recomputes_blocked:
         sched._retract(blocked)
         return False
     paused = [r for r in sched.running if r not in decode]
@@ -169,7 +169,7 @@ def restore_checkpointed(
     Before allocation a decode whose restore does not fit sits this iteration out; after
     it (``allocated``) one that this step's RT growth overwrote and that cannot come
     back is retracted. ``None``: the allocator never checkpoints."""
-    if getattr(sched.kv.allocator, "restore_plan", None) is None:
+    if not sched.kv.checkpoints:
         return decode, None
     ready, swap_in = [], 0
     for req in (*decode, *(c.req for c in chunks)):
@@ -210,7 +210,7 @@ def _short(sched: Scheduler, decode: list[Request]) -> bool:
 def _decode_memory(sched: Scheduler, decode: list[Request]) -> list[Request]:
     """Retract (paused requests first) until every chosen decode can grow by one token
     (none under a policy that ``recomputes_blocked``: ``_grow`` retracts those that cannot)."""
-    if getattr(sched.policy, "recomputes_blocked", False):
+    if sched.policy_caps.recomputes_blocked:
         return decode
     while decode and _short(sched, decode) and len(sched.running) > 1:
         paused = [r for r in sched.running if r not in decode]

@@ -53,7 +53,7 @@ class Shares:
     def __init__(self, sched: Scheduler) -> None:
         self.capacity = max(sched.kv.capacity_tokens, 1)
         self.slots = max(sched.config.max_running_requests, 1)
-        weights = getattr(getattr(sched.policy, "config", None), "weights", None) or {}
+        weights = sched.policy_caps.weights
         self._weights = weights
         self.kv: dict[ClientId, int] = {}
         self.count: dict[ClientId, int] = {}
@@ -108,7 +108,7 @@ def admit_below_share(
     need = len(tokens) - cached + min(req.remaining_new_tokens, clip)
     target = shares.share(newcomer, len(tokens), 1)
     cfg = sched.config
-    service = getattr(sched.policy, "service_received", None)
+    service = sched.policy_caps.service_received
 
     room = sched.kv.available_tokens() - sched._reserved_tokens() - promised
     short_kv = need - room

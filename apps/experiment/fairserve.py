@@ -78,7 +78,7 @@ from sgl_fair.experiment.fairserve_report import (
     premises,
     targets,
 )
-from sgl_fair.policies import make_policy
+from sgl_fair.policies import PolicyCaps, make_policy
 from sgl_fair.policies.rpm import RPM
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker.scheduler import SchedulerConfig
@@ -281,7 +281,7 @@ def run_case(
         policy=policy, cost_model=cost_model, kv_tokens=KV_TOKENS, config=SchedulerConfig()
     )
     kv = sched.kv
-    attach = getattr(policy, "attach_load", None)
+    attach = PolicyCaps.of(policy).attach_load
     if attach is not None:  # OIT's overload signal: KV held by requests (not evictable cache)
         attach(lambda: 1.0 - kv.available_tokens() / kv.capacity_tokens)
     rng = np.random.default_rng(seed + 2)

@@ -12,7 +12,7 @@ from typing import Any
 from sgl_fair.config import ConfigError, TenantTable, load_tenants
 from sgl_fair.launch.backends import BACKENDS, TORCH_PRESETS, chosen_backend
 from sgl_fair.launch.flags import build_parser, gpu_visible
-from sgl_fair.policies import make_policy, policy_class, policy_names
+from sgl_fair.policies import PolicyTraits, make_policy, policy_class, policy_names
 from sgl_fair.router.oit import SHARED_KEYS, ClusterOITConfig
 from sgl_fair.router.policies import make_router_policy, router_policy_names
 from sgl_fair.worker.kv.registry import make_allocator
@@ -284,17 +284,16 @@ def share_guard_on(cfg: LaunchConfig) -> bool:
     """Whether the workers' schedulers run the share guard (``--share-guard``)."""
     if cfg.share_guard != "auto":
         return cfg.share_guard == "on"
-    return bool(getattr(policy_class(cfg.schedule_policy), "shares_running", False))
+    return PolicyTraits.of(policy_class(cfg.schedule_policy)).shares_running
 
 
 def local_policy_opts(cfg: LaunchConfig, tenants: TenantTable | None) -> dict[str, Any]:
     """The local policy's options, with tenant weights where the policy takes weights."""
     opts = dict(cfg.schedule_policy_opts)
-    if tenants is not None and tenants.weights and "weights" not in opts:
-        cls = policy_class(cfg.schedule_policy)
-        fields_ = getattr(cls.Config, "__dataclass_fields__", {})
-        if "weights" in fields_:
-            opts["weights"] = dict(tenants.weights)
+    cls = policy_class(cfg.schedule_policy)
+    if tenants is not None and tenants.weights and PolicyTraits.of(cls).weighted:
+        for key, value in cls.weight_options(tenants.weights).items():  # type: ignore[attr-defined]
+            opts.setdefault(key, value)  # the user's own options win
     return opts
 
 

@@ -39,11 +39,18 @@ that defines ``service_received(client) -> float`` — weighted service received
 clients, lifted like VTC's counter so idling banks no credit — lets the guard make room only
 for a client that the policy itself does not consider ahead: a waiting client may take
 running slots from another only while ``service_received(waiting) <= service_received(holder)``.
+
+Capabilities. Each optional part is a Protocol below — ``BatchSelecting``, ``Retracting``,
+``ServiceMeasure``, ``LoadAware``, ``Weighted``, ``Predicting`` — and each class-level trait a
+``ClassVar`` of ``BasePolicy`` (``shares_running``, ``uses_service_classes``,
+``admission_order``). Hosts check them once, into ``PolicyCaps.of(policy)`` (an instance:
+its bound hooks) or ``PolicyTraits.of(cls)`` (a class, before one is built); nothing probes a
+policy's attributes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -103,6 +110,133 @@ class Policy(Protocol):
     def on_aborted(self, req: Request, waiting: bool) -> None: ...
 
 
+# ---------------------------------------------------------------- capabilities
+
+
+@runtime_checkable
+class BatchSelecting(Protocol):
+    """Seam #1b (module docstring): the policy chooses each iteration's running set."""
+
+    def select_batch(self, candidates: Sequence[Request], view: Any, cost: Any) -> list[Request]:
+        """The requests to run this iteration, most important first, from ``candidates``
+        (waiting in arrival order, then running). Running ones decode a token; waiting ones
+        are admitted in this order while they fit; running ones left out are paused with
+        their KV. ``cost(prefill_chunks=..., decode_context_lens=...) -> seconds`` prices an
+        iteration (None where the scheduler has no cost model); keep none of its arguments."""
+        ...
+
+
+@runtime_checkable
+class Retracting(Protocol):
+    """The policy picks whom the scheduler retracts when KV runs out."""
+
+    def victim(self, pool: Sequence[Request]) -> Request:
+        """One request of ``pool`` (never empty: running requests) to retract."""
+        ...
+
+
+@runtime_checkable
+class ServiceMeasure(Protocol):
+    """Weighted service per client, for the share guard (module docstring)."""
+
+    def service_received(self, client: ClientId) -> float:
+        """Weighted service ``client`` has received, comparable across clients and lifted
+        so that idling banks no credit; no side effects."""
+        ...
+
+
+# The worker's KV usage in [0, 1] (neither free nor evictable), read when the policy likes.
+LoadProbe = Callable[[], float]
+
+
+@runtime_checkable
+class LoadAware(Protocol):
+    """A policy that acts only under overload (FairServe's OIT) reads the worker's load."""
+
+    def attach_load(self, probe: LoadProbe | None) -> None:
+        """Read the worker's KV usage through ``probe`` from now on (None: detach). The
+        scheduler attaches its ``kv_usage`` when it is built; a host may attach another."""
+        ...
+
+
+@runtime_checkable
+class Weighted(Protocol):
+    """Per-client weights: a client of weight w is owed w times the service of weight 1."""
+
+    @classmethod
+    def weight_options(cls, weights: Mapping[ClientId, float]) -> dict[str, Any]:
+        """The options (``make_policy`` keywords) that give a new policy these weights (a
+        host with a tenant table passes them when the user set none)."""
+        ...
+
+    def client_weights(self) -> Mapping[ClientId, float]:
+        """This policy's weights; a client not named weighs 1."""
+        ...
+
+
+@runtime_checkable
+class Predicting(Protocol):
+    """A policy that charges predicted output lengths names its predictor (for reports)."""
+
+    @property
+    def predictor(self) -> str:
+        """The predictor's name (``"none"``: charges actual tokens only)."""
+        ...
+
+
+@dataclass(frozen=True)
+class PolicyCaps:
+    """A policy instance's optional hooks, checked once (``PolicyCaps.of``): each is the bound
+    method, or None where the policy lacks that capability."""
+
+    select_batch: Callable[..., list[Request]] | None
+    victim: Callable[[Sequence[Request]], Request] | None
+    service_received: Callable[[ClientId], float] | None
+    attach_load: Callable[[LoadProbe | None], None] | None
+    weights: Mapping[ClientId, float]
+    predictor: str | None
+    # A batch-selecting policy's choice when a chosen decode finds no KV block: True, retract
+    # that request itself (vLLM's recompute); False, retract paused requests for it.
+    recomputes_blocked: bool
+
+    @classmethod
+    def of(cls, policy: object) -> PolicyCaps:
+        return cls(
+            select_batch=policy.select_batch if isinstance(policy, BatchSelecting) else None,
+            victim=policy.victim if isinstance(policy, Retracting) else None,
+            service_received=(
+                policy.service_received if isinstance(policy, ServiceMeasure) else None
+            ),
+            attach_load=policy.attach_load if isinstance(policy, LoadAware) else None,
+            weights=policy.client_weights() if isinstance(policy, Weighted) else {},
+            predictor=policy.predictor if isinstance(policy, Predicting) else None,
+            recomputes_blocked=isinstance(policy, BasePolicy) and policy.recomputes_blocked,
+        )
+
+
+@dataclass(frozen=True)
+class PolicyTraits:
+    """What a policy class declares, before one is built (``PolicyTraits.of(cls)``): its
+    ``BasePolicy`` class flags and which capability protocols it implements."""
+
+    shares_running: bool
+    uses_service_classes: bool
+    admission_order: bool
+    batch_selecting: bool
+    weighted: bool
+
+    @classmethod
+    def of(cls, policy_cls: type) -> PolicyTraits:
+        base = issubclass(policy_cls, BasePolicy)  # else it declares no class flags
+        return cls(
+            shares_running=base and policy_cls.shares_running,  # type: ignore[attr-defined]
+            uses_service_classes=base and policy_cls.uses_service_classes,  # type: ignore[attr-defined]
+            admission_order=base and policy_cls.admission_order,  # type: ignore[attr-defined]
+            batch_selecting=issubclass(policy_cls, BatchSelecting),
+            weighted=issubclass(policy_cls, Weighted),
+        )
+
+
 class BasePolicy:
     """No-op defaults plus the waiting-count bookkeeping most policies need.
 
@@ -115,6 +249,15 @@ class BasePolicy:
     # (``--share-guard auto``; ``worker/share_guard.py``), so a flood cannot hold the running
     # batch while another client waits. Baselines keep the papers' behaviour.
     shares_running: ClassVar[bool] = False
+    # Orders by RT/BE class: hosts carry each request's class to it (BROS; the SGLang plugin
+    # then runs SGLang's priority scheduling).
+    uses_service_classes: ClassVar[bool] = False
+    # A ``BatchSelecting`` policy whose ``order`` is also a full admission order, so a host
+    # that cannot choose the running batch (SGLang's scheduler) may still run it (BROS).
+    admission_order: ClassVar[bool] = False
+    # Set per instance by a batch-selecting policy (BROS's ``recompute_blocked``): a chosen
+    # decode that finds no KV block is retracted itself (``PolicyCaps.recomputes_blocked``).
+    recomputes_blocked: bool = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else self.Config()
@@ -196,24 +339,32 @@ def client_weight(weights: Mapping[ClientId, float], client: ClientId) -> float:
     return weights.get(client, 1.0)
 
 
+class WeightsOption:
+    """``Weighted`` for a policy whose ``Config`` takes ``weights`` (VTC, DLPM)."""
+
+    config: Any
+
+    @classmethod
+    def weight_options(cls, weights: Mapping[ClientId, float]) -> dict[str, Any]:
+        return {"weights": dict(weights)}
+
+    def client_weights(self) -> Mapping[ClientId, float]:
+        return self.config.weights
+
+
 # ---------------------------------------------------------------- registry
 
 
 def _load_builtin() -> None:
-    # Importing the modules runs their @register decorators.
-    # bros and rr_class select whole batches (seam #1b).
-    from sgl_fair.policies import (  # noqa: F401
-        bros,
-        dlpm,
-        fairserve,
-        fcfs,
-        lcf,
-        lpm,
-        preble_local,
-        rpm,
-        rr_class,
-        vtc,
-    )
+    # Importing every module of this package runs their @register decorators: a new policy
+    # file here is registered with no other change.
+    import importlib
+    import pkgutil
+
+    import sgl_fair.policies as package
+
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
 
 
 POLICIES = Registry("policy", load=_load_builtin)

@@ -33,6 +33,7 @@ from sgl_fair.policies.base import (
     BasePolicy,
     Rejection,
     SchedulerView,
+    WeightsOption,
     client_weight,
     register,
 )
@@ -43,7 +44,7 @@ _SWEEP_MIN = 1024  # sweep the idle clients once they outgrow this (then 2x, amo
 
 
 @register("dlpm")
-class DLPM(BasePolicy):
+class DLPM(WeightsOption, BasePolicy):  # Weighted: its Config takes weights
     shares_running = True
 
     @dataclass(frozen=True)

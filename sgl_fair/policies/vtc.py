@@ -41,6 +41,7 @@ from sgl_fair.policies.base import (
     BasePolicy,
     Rejection,
     SchedulerView,
+    WeightsOption,
     client_weight,
     group_by_client,
     register,
@@ -52,7 +53,7 @@ _SWEEP_MIN = 1024  # forget idle clients once the counters outgrow this (then 2x
 
 
 @register("vtc")
-class VTC(BasePolicy):
+class VTC(WeightsOption, BasePolicy):  # Weighted: its Config takes weights
     shares_running = True
 
     @dataclass(frozen=True)
@@ -100,6 +101,11 @@ class VTC(BasePolicy):
         return self.counters.get(client, 0.0)
 
     service_received = counter  # the share guard's measure (policies/base.py)
+
+    @property
+    def predictor(self) -> str:
+        """``Predicting``: the output-length predictor it charges with (``predict``)."""
+        return self.config.predict
 
     def _charge(self, client: ClientId, service: float) -> None:
         w = client_weight(self.config.weights, client)

@@ -118,6 +118,10 @@ class BidirectionalAllocator:
         self._rt_room = RTRoom(self.layout, self._pinned)  # num_free_tokens_for(RT)
         self._copies: list[KVCopy] | None = None  # the copy journal; None: not recording
 
+    def enable_exact(self) -> None:
+        """Exact mode (``SlotAllocator``): slots are always exact; journal the copies."""
+        self.record_copies()
+
     def record_copies(self) -> None:
         """Journal every checkpoint and restore copy from now on (``drain_copies``)."""
         if self._copies is None:

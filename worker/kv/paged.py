@@ -125,6 +125,9 @@ class PagedAllocator:
             self.layout.shrink(piece, k)
             n -= k
 
+    def enable_exact(self) -> None:
+        """Exact mode (``SlotAllocator``): block slots are always exact; nothing to do."""
+
     def free_slots(self, owner: Hashable, flat_slots: Iterable[int]) -> None:
         """Free exactly these slots (``block * S + slot``) of ``owner`` (holes: module doc)."""
         self.layout.release_slots(owner, flat_slots)

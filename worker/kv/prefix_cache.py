@@ -26,9 +26,12 @@ unchanged): each tree node's ``slots`` holds the flat device slot (``block * blo
 slot``) of each of its tokens. ``commit`` frees exactly the owner's duplicated (leading)
 tokens and records the slots it hands to the tree on the new leaf; eviction and ``flush``
 free exactly the evicted nodes' slots; ``kv_slots(owner, handle)`` lists a running request's
-slots in logical order. The allocator needs ``flat_slots``/``free_slots`` (all three have
-them; the token allocator switches to slot ids); checkpointing allocators journal their copies
+slots in logical order. The allocator must be a ``SlotAllocator`` (all three built-in ones
+are; the token allocator switches to slot ids); checkpointing allocators journal their copies
 for ``drain_copies`` (``Batch.kv_copies``).
+
+The allocator's capabilities (``kv.base``: block, classed, checkpointing, ...) are checked
+once, here, into ``caps``; the scheduler asks the cache, never the allocator.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from sgl_fair.radix import MatchMemo, Node, RadixTree
-from sgl_fair.worker.kv.base import CACHE, KVAllocator, OutOfMemory
+from sgl_fair.worker.kv.base import CACHE, AllocatorCaps, KVAllocator, OutOfMemory
 
 # A cache change for KV events: ("stored", path, start) — the cache now also holds
 # path[start:]; ("removed", path, start) — it dropped path[start:]; ("cleared", (), 0).
@@ -62,15 +65,17 @@ class PrefixKVCache:
     ) -> None:
         self.allocator = allocator
         self.exact = exact
+        self.caps = caps = AllocatorCaps.of(allocator)  # checked once: never probed again
+        self._slots = caps.slots
+        self._classed = caps.classed  # places requests by RT/BE class
+        self._ckpt = caps.checkpointing  # moves KV to host and back
+        room_extending = caps.room_extending
+        self._extend_in_room = room_extending.extend_in_room if room_extending else None
+        self._blocks = caps.blocks
         if exact:
-            if not hasattr(allocator, "free_slots") or (tree is not None and tree.total_tokens):
-                raise ValueError("exact mode needs an allocator with free_slots and an empty tree")
-            for name in ("enable_exact", "record_copies"):
-                fn = getattr(allocator, name, None)
-                if fn is not None:
-                    fn()
-        self._classed = hasattr(allocator, "set_class")  # places requests by RT/BE class
-        self._extend_in_room = getattr(allocator, "extend_in_room", None)  # base.py: optional
+            if self._slots is None or (tree is not None and tree.total_tokens):
+                raise ValueError("exact mode needs a SlotAllocator and an empty tree")
+            self._slots.enable_exact()
         self.tree = tree if tree is not None else RadixTree()
         self.num_evicted_tokens = 0
         # Evicted blocks ``(path, start)`` not yet reported; None = nobody listens (a single
@@ -111,8 +116,7 @@ class PrefixKVCache:
     def drain_copies(self) -> list:
         """KV copies (``engine.KVCopy``) the allocator made since the last call, in order
         (checkpoints and restores; empty unless exact over a checkpointing allocator)."""
-        fn = getattr(self.allocator, "drain_copies", None)
-        return fn() if fn is not None else []
+        return self._ckpt.drain_copies() if self._ckpt is not None else []
 
     def kv_slots(self, owner: Hashable, handle: PrefixHandle) -> list[int]:
         """Exact mode: the flat slots of ``owner``'s positions ``0 .. n-1`` in logical order
@@ -127,11 +131,14 @@ class PrefixKVCache:
             node = node.parent
         out = [s for part in reversed(parts) for s in part]
         assert len(out) == handle.prefix_len, "a cached prefix without slots"
-        return out + self.allocator.flat_slots(owner)
+        return out + self._exact_slots().flat_slots(owner)
+
+    def _exact_slots(self):  # noqa: ANN202 - the SlotAllocator exact mode checked for
+        assert self._slots is not None
+        return self._slots
 
     def _check_resident(self, owner: Hashable) -> None:
-        ckpt = getattr(self.allocator, "checkpointed_slots", None)
-        if ckpt is not None and ckpt(owner):
+        if self.checkpointed_slots(owner):
             raise ValueError(f"{owner!r} has KV on the host: restore it first")
 
     @property
@@ -142,36 +149,34 @@ class PrefixKVCache:
         """Free now, or freeable by evicting unlocked cached prefixes. With ``owner``, for its
         class where the allocator places by class (bidirectional: RT may also overwrite BE)."""
         kw = self._class_of(owner) if owner is not None else {}
-        if kw and (fn := getattr(self.allocator, "num_free_tokens_for", None)) is not None:
-            return fn(kw["request_class"]) + self.tree.evictable_tokens
+        if kw:
+            free = self._classed.num_free_tokens_for(kw["request_class"])  # type: ignore[union-attr]
+            return free + self.tree.evictable_tokens
         return self.allocator.num_free_tokens() + self.tree.evictable_tokens
 
     def pin(self, owner: Hashable) -> None:
         """Protect ``owner``'s KV from being overwritten by another class until ``unpin_all``
         (no-op unless the allocator overwrites)."""
-        fn = getattr(self.allocator, "pin", None)
-        if fn is not None:
-            fn(owner)
+        if self._classed is not None:
+            self._classed.pin(owner)
 
     def unpin_all(self) -> None:
-        fn = getattr(self.allocator, "unpin_all", None)
-        if fn is not None:
-            fn()
+        """Lift every ``pin`` (each step starts unpinned)."""
+        if self._classed is not None:
+            self._classed.unpin_all()
 
     def keeps_private(self, owner: Hashable) -> bool:
         """Whether ``owner``'s KV should enter the tree only when it finishes: another class
         may overwrite it (bidirectional: BE), and the tree pins what it holds."""
         kw = self._class_of(owner)
-        fn = getattr(self.allocator, "overwritable", None)
-        return bool(kw) and fn is not None and fn(kw["request_class"])
+        return bool(kw) and self._classed.overwritable(kw["request_class"])  # type: ignore[union-attr]
 
     def overwrites(self, owner: Hashable) -> frozenset[str]:
         """Request classes whose KV ``owner`` may overwrite (checkpointed to host): their
         future tokens are no reservation against ``owner``. Empty unless the allocator
         places by class."""
         kw = self._class_of(owner)
-        fn = getattr(self.allocator, "overwrites", None)
-        return fn(kw["request_class"]) if kw and fn is not None else frozenset()
+        return self._classed.overwrites(kw["request_class"]) if kw else frozenset()  # type: ignore[union-attr]
 
     def match_len(self, tokens: Sequence[int]) -> int:
         """Cached prefix length; no LRU touch, no locking (for ordering policies)."""
@@ -195,13 +200,28 @@ class PrefixKVCache:
     @property
     def classed(self) -> bool:
         """Whether the allocator places requests by RT/BE class (bidirectional blocks)."""
-        return self._classed
+        return self._classed is not None
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether the allocator moves KV to host memory and back (bidirectional blocks)."""
+        return self._ckpt is not None
+
+    @property
+    def per_request_growth(self) -> bool:
+        """Whether a token count cannot say if a request can grow (block allocators, or KV
+        that may be on the host): growth is then tried request by request."""
+        return self._ckpt is not None or self.caps.block_size > 1
+
+    def checkpointed_slots(self, owner: Hashable) -> int:
+        """Tokens of ``owner`` on the host (0 unless the allocator checkpoints)."""
+        return self._ckpt.checkpointed_slots(owner) if self._ckpt is not None else 0
 
     def _class_of(self, owner: Hashable) -> dict:
         """``request_class=`` for allocators that place by RT/BE class (bidirectional)."""
-        if not self._classed:
+        if self._classed is None:
             return {}
-        cls = getattr(owner, "service_class", None)
+        cls = getattr(owner, "service_class", None)  # a request's; CACHE and keys have none
         return {} if cls is None else {"request_class": getattr(cls, "value", cls)}
 
     def can_allocate(self, owner: Hashable, num_tokens: int) -> bool:
@@ -215,12 +235,12 @@ class PrefixKVCache:
         if alloc.can_allocate(owner, num_tokens, **kw):
             return True
         evictable = self.tree.evictable_tokens
-        probe = getattr(alloc, "can_allocate_after_free", None)
-        if probe is None or not evictable:  # token pools: free + evictable is exact
-            return probe is None
+        blocks = self._blocks
+        if blocks is None or not evictable:  # token pools: free + evictable is exact
+            return blocks is None
         if self.exact:  # exactly the slots eviction can free, not CACHE's last ones
             kw["slots"] = self._evictable_slots()
-        return probe(owner, num_tokens, CACHE, evictable, **kw)
+        return blocks.can_allocate_after_free(owner, num_tokens, CACHE, evictable, **kw)
 
     def _evictable_slots(self) -> list[int]:
         """Slots of every unlocked node (an unlocked node's subtree is all unlocked)."""
@@ -273,9 +293,8 @@ class PrefixKVCache:
 
     def forget(self, owner: Hashable) -> None:
         """A request left: drop its class registration (allocators that keep one)."""
-        fn = getattr(self.allocator, "forget", None)
-        if fn is not None:
-            fn(owner)
+        if self._classed is not None:
+            self._classed.forget(owner)
 
     def evict_all(self) -> int:
         """Evict every unlocked cached prefix (reported and counted as evictions, unlike
@@ -302,7 +321,7 @@ class PrefixKVCache:
         if slots is None:
             self.allocator.free(CACHE, num_tokens)  # counts: CACHE's last tokens
         else:
-            self.allocator.free_slots(CACHE, slots)
+            self._exact_slots().free_slots(CACHE, slots)
 
     def commit(
         self, owner: Hashable, tokens: tuple[int, ...], handle: PrefixHandle
@@ -320,9 +339,10 @@ class PrefixKVCache:
             # Its private tokens are positions prefix_len.. in order: the first `duplicated`
             # (already in the tree) are freed, the next num_new become the new leaf's.
             self._check_resident(owner)
-            mine = self.allocator.flat_slots(owner)
+            slots = self._exact_slots()
+            mine = slots.flat_slots(owner)
             if duplicated:
-                self.allocator.free_slots(owner, mine[:duplicated])
+                slots.free_slots(owner, mine[:duplicated])
             if res.num_new:
                 res.node.slots = mine[duplicated : duplicated + res.num_new]
                 self.allocator.transfer(owner, CACHE, res.num_new)
@@ -341,7 +361,9 @@ class PrefixKVCache:
         """Copy ``owner``'s checkpointed KV back to the device (bidirectional blocks), evicting
         LRU cached prefixes until the allocator can place it; the copies, or None if even an
         empty cache leaves no room (the caller then pauses or retracts someone)."""
-        alloc = self.allocator
+        alloc = self._ckpt
+        if alloc is None:
+            raise ValueError("restore: the allocator never moves KV to host")
         while alloc.restore_plan(owner) is None:
             if not self.tree.evictable_tokens:
                 return None
@@ -382,9 +404,8 @@ class PrefixKVCache:
         ``for_owner``'s class: ``room_freed_by``), plus the prefix edges only it locks (they
         become evictable). Blocks shared with cached tokens may keep a few of them in use."""
         kw = self._class_of(for_owner) if for_owner is not None else {}
-        room_freed_by = getattr(self.allocator, "room_freed_by", None)
-        if kw and room_freed_by is not None:
-            freed = room_freed_by(owner, kw["request_class"])
+        if kw:
+            freed = self._classed.room_freed_by(owner, kw["request_class"])  # type: ignore[union-attr]
         else:
             freed = self.allocator.held(owner)
         node, root = handle.node, self.tree.root
@@ -421,4 +442,4 @@ class PrefixKVCache:
                 stack.extend(nodes[-1].children.values())
             assert all(n.slots is not None and len(n.slots) == len(n.key) for n in nodes)
             tree_slots = sorted(s for n in nodes for s in n.slots)
-            assert tree_slots == sorted(self.allocator.flat_slots(CACHE)), "tree slots != CACHE's"
+            assert tree_slots == sorted(self._exact_slots().flat_slots(CACHE)), "tree != CACHE's"

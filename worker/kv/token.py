@@ -10,12 +10,19 @@ slot id in ``[0, capacity)``: each owner's slots in logical order, a free list, 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
 from itertools import islice
 
 from sgl_fair.worker.kv.base import OutOfMemory
 
 
+@dataclass(frozen=True)
+class TokenConfig:
+    """The token allocator has no options (``make_allocator("token", n)``)."""
+
+
 class TokenAllocator:
+    Config = TokenConfig
     block_size = 1  # flat slot == slot id
 
     def __init__(self, capacity_tokens: int, *, exact: bool = False) -> None:

@@ -93,8 +93,8 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
             f"sgl-fair plugin: --disaggregation-mode {mode} is not supported (the fair "
             "policy orders the waiting queue of a plain server); start it without the plugin"
         )
-    old = getattr(scheduler, "policy", None)
-    if old is not None and hasattr(old, "detach"):
+    old = _fair(scheduler)  # ours, from an earlier install: SGLang's own has nothing to detach
+    if old is not None:
         old.detach()
     ranks = tp_ranks()
     scheduler.policy = FairSchedulePolicy(

@@ -67,14 +67,19 @@ def is_rt_priority(priority: int | None, low_first: bool) -> bool:
 def uses_classes(cls: type) -> bool:
     """A policy that orders by RT/BE class inside SGLang (BROS): its servers run SGLang's
     priority scheduling and its bridges send each request's class as ``priority``."""
-    return getattr(cls, "uses_service_classes", False)
+    from sgl_fair.policies import PolicyTraits
+
+    return PolicyTraits.of(cls).uses_service_classes
 
 
 def batch_selecting(cls: type) -> bool:
     """A policy that only selects whole batches (seam #1b: RR), which the plugin cannot host.
     One that also has an admission order for such hosts (``admission_order``: BROS) runs
     inside SGLang with that order; SGLang decodes every running request itself."""
-    return hasattr(cls, "select_batch") and not getattr(cls, "admission_order", False)
+    from sgl_fair.policies import PolicyTraits
+
+    traits = PolicyTraits.of(cls)
+    return traits.batch_selecting and not traits.admission_order
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> PluginSettings | None:
