@@ -9,7 +9,6 @@ Iteration costs for batch-selecting policies (BROS) still come from a cost model
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ import torch
 
 from sgl_fair.policies.base import Policy
 from sgl_fair.worker.builder import build_worker
-from sgl_fair.worker.kv.prefix_cache import PrefixKVCache
 from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.torch_engine.engine import TorchEngine
@@ -27,12 +25,6 @@ from sgl_fair.worker.torch_engine.model import LlamaConfig, LlamaModel
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}  # fmt: skip
 DEFAULT_KV_TOKENS = 4096
-
-
-def exact_kv_supported() -> bool:
-    """Whether this tree's scheduler exposes ``kv_slots`` (the exact KV cache)."""
-    params = inspect.signature(PrefixKVCache).parameters
-    return hasattr(Scheduler, "kv_slots") and "exact" in params
 
 
 def load_model(
@@ -116,23 +108,15 @@ class TorchEngineKind:
     def make_engine(
         self, config: Config, scheduler: Scheduler, allocator: Any, cost_model: CostModel
     ) -> TorchEngine:
-        if not exact_kv_supported():
-            raise RuntimeError(
-                "the torch engine needs Scheduler.kv_slots and PrefixKVCache(exact=True) (the "
-                "exact KV cache), which this tree does not have yet"
-            )
         if config.model is None:
             raise ValueError("the torch engine needs a model (engine_opts model=)")
-        block_size = int(getattr(allocator, "block_size", 1))
-        host = getattr(allocator, "host_capacity_tokens", None)
-        if host is None:
-            host = allocator.capacity_tokens if getattr(allocator, "restore_plan", None) else 0
+        caps = scheduler.kv.caps  # the allocator's declared capabilities (worker/kv/base.py)
         return TorchEngine(
             config.model,
             kv_slots=scheduler.kv_slots,
             num_device_slots=allocator.capacity_tokens,
-            block_size=block_size,
-            host_slots=int(host),
+            block_size=caps.block_size,
+            host_slots=caps.host_capacity_tokens,
             attention=config.attention,
             eos_token_id=config.eos_token_id,
             vocab_limit=config.vocab_limit,
