@@ -88,7 +88,7 @@ class Membership:
         link.start()
         self.members[wid] = Member(wid, endpoint, link)
         self.num_added += 1
-        log.warning("worker %d added: %s", wid, endpoint)
+        log.info("worker %d added: %s", wid, endpoint)
         return wid
 
     def drain(self, wid: int) -> None:

@@ -28,6 +28,16 @@ from sgl_fair.router.service import NoWorkerError
 from sgl_fair.router.state import Identity, ServerState
 
 
+def membership_row(state: Any, wid: int) -> dict[str, Any]:
+    """A worker's membership state (starting, ready, draining, dead) and endpoint
+    (``router/membership.py``), once the server runs."""
+    m = state.membership
+    if m is None:
+        return {}
+    member = m.members.get(wid)
+    return {"state": m.state(wid), "endpoint": (member.endpoint if member else None) or "local"}
+
+
 def info_routes(state: ServerState) -> list[Route]:
     """The info, health, admin and metrics routes over ``state``."""
     svc = state.service
@@ -60,7 +70,7 @@ def info_routes(state: ServerState) -> list[Route]:
                     "engine": w.engine,
                     "death": w.death,
                     "restarts": w.num_restarts,
-                    "revived": w.num_revived,
+                    "revived": w.num_revived, **membership_row(state, w.wid),
                     "restart_in_s": svc.restart_in_s(w.wid),
                     "queue_len": router.queue_len(w.wid),
                     "num_waiting": load.num_waiting if load else None,

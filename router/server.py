@@ -45,6 +45,7 @@ from sgl_fair.router.http_io import error_response
 from sgl_fair.router.routes_info import info_routes
 from sgl_fair.router.routes_openai import openai_routes
 from sgl_fair.router.routes_sglang import sglang_routes
+from sgl_fair.router.routes_workers import worker_routes
 from sgl_fair.router.state import ServerState
 
 __all__ = ["ServerState", "build_app"]
@@ -103,6 +104,8 @@ def build_app(
                 await on_shutdown()
 
     routes = [*sglang_routes(state), *openai_routes(state), *info_routes(state)]
+    if state.membership is not None:  # GET/POST /workers, DELETE /workers/{id}
+        routes += worker_routes(state, state.membership)
     app = Starlette(
         routes=routes,
         exception_handlers={

@@ -19,6 +19,7 @@ from sgl_fair import config as tenants_mod
 from sgl_fair.router import protocol as P
 from sgl_fair.router.oit import ClusterOIT
 from sgl_fair.router.policies import make_router_policy
+from sgl_fair.router.replica import ReplicaRouter
 from sgl_fair.router.router import Router
 from sgl_fair.router.service import RouterService
 from sgl_fair.router.telemetry import Telemetry
@@ -50,6 +51,7 @@ class ServerState:
     started_s: float = field(default_factory=time.time)
     inflight: dict[str, int] = field(default_factory=dict)  # tenant -> calls in flight
     limiters: dict[str, Any] = field(default_factory=dict)  # tenant -> RateLimiter
+    membership: Any = None  # router/membership.py, once serving: workers joining and leaving
 
     @classmethod
     def create(
@@ -65,6 +67,7 @@ class ServerState:
         worker_urls: list[str] | None = None,
         follow_kv_events: bool = True,
         features: P.EngineFeatures = P.NO_PASSTHROUGH,
+        local_workers: int | None = None,
     ) -> ServerState:
         """``kv_capacity_tokens`` / ``context_len``: one worker's KV pool and the model's
         context, as the launcher knows them before the workers start (a real engine's numbers
@@ -72,15 +75,21 @@ class ServerState:
         its KV events (default: the sim workers' sockets in ``ipc_dir``). Without KV events
         (``follow_kv_events=False``) the router's tree also takes each finished request's
         output, as its best guess. ``features``: what the workers' engine honours beyond
-        the router's own fields (the parsers pass SGLang's extras through only with it)."""
+        the router's own fields (the parsers pass SGLang's extras through only with it).
+        ``local_workers``: the workers on this host's ipc sockets (default ``cfg.dp``; 0
+        when every worker is remote and joins through ``membership``)."""
         kv_cap = kv_capacity_tokens
         context = cfg.context_length or context_len
         oit = None
         if getattr(cfg, "cluster_oit", False):  # FairServe's OIT over the cluster (oit.py)
             oit = ClusterOIT(**getattr(cfg, "cluster_oit_opts", {}))
-        router = Router(
+        # A replica among several that share fairness state through the workers' reports
+        # (router/replica.py) is a ReplicaRouter; it decides as a Router does otherwise.
+        replica = getattr(cfg, "replica_id", None)
+        router = (Router if replica is None else ReplicaRouter)(
             make_router_policy(cfg.router_policy, **cfg.router_policy_opts),
             cfg.dp,
+            **({} if replica is None else {"replica": replica}),
             insert_outputs=not follow_kv_events,  # else the workers' KV events say it
             max_tree_tokens=cfg.max_tree_tokens,
             oit=oit,
@@ -90,7 +99,7 @@ class ServerState:
         service = RouterService(
             router,
             Endpoints.ipc(ipc_dir),
-            cfg.dp,
+            cfg.dp if local_workers is None else local_workers,
             telemetry=telemetry,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
             kv_endpoints=kv_endpoints,

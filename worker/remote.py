@@ -126,8 +126,9 @@ class RemoteWorker(LiveWorker):
             return
         name = self.names.pop(peer, peer.decode(errors="replace"))
         rids = [rid for rid, p in self.owners.items() if p == peer]
-        log.warning("worker %d: router %s left (%s); aborting its %d requests",
-                    self.cfg.wid, name, why, len(rids))  # fmt: skip
+        level = logging.WARNING if rids else logging.INFO
+        log.log(level, "worker %d: router %s left (%s); aborting its %d requests",
+                self.cfg.wid, name, why, len(rids))  # fmt: skip
         now = time.time()
         for rid in rids:
             del self.owners[rid]

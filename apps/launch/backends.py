@@ -64,6 +64,9 @@ class Backend:
     # Its workers are SGLang servers: SGLang's own flags (unknown ones, --api-key,
     # --schedule-low-priority-values-first) mean something to them.
     sglang_servers: ClassVar[bool] = False
+    # Its workers can run standalone (``python -m sgl_fair.worker``), so ``--router-replicas``
+    # can start them once and put several routers over them.
+    replicable: ClassVar[bool] = True
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         """Whether flags given without ``--backend`` name this backend."""
@@ -75,6 +78,8 @@ class Backend:
             bad("unrecognized arguments: " + " ".join(passthrough))
         if a.worker_url or a.worker_kv_endpoint:
             bad("--worker-url / --worker-kv-endpoint need --backend sglang")
+        if a.worker_endpoint:
+            bad(f"--worker-endpoint: standalone workers are --backend remote (not {self.name})")
         return 1 if a.dp is None else a.dp
 
     def check_model(self, a: argparse.Namespace, bad: Bad) -> None:
@@ -185,6 +190,7 @@ class SGLangBackend(Backend):
     features = EngineFeatures(passthrough=True)
     kv_allocator = False
     sglang_servers = True
+    replicable = False  # the bridges live with the launcher (SGLang servers: issue 34 left)
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         return bool(a.worker_url)
@@ -257,7 +263,52 @@ class SGLangBackend(Backend):
         return ", ".join(engines) or "sglang"
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (SimBackend(), TorchBackend(), SGLangBackend())}
+class RemoteBackend(Backend):
+    """Standalone workers elsewhere (``--worker-endpoint``, implied by it): this process is a
+    router only. Their engine's numbers come with their Hello (``Workers.ready``)."""
+
+    name = "remote"
+    replicable = False  # it starts no workers to share
+
+    def implied_by(self, a: argparse.Namespace) -> bool:
+        return bool(a.worker_endpoint)
+
+    def check(self, a: argparse.Namespace, passthrough: Sequence[str], bad: Bad) -> int:
+        from sgl_fair.remote import is_loopback, parse_tcp
+
+        if passthrough:
+            bad("unrecognized arguments: " + " ".join(passthrough))
+        if not a.worker_endpoint:
+            bad("--backend remote needs --worker-endpoint tcp://HOST:PORT (one per worker)")
+        if a.worker_url or a.worker_kv_endpoint:
+            bad("--worker-url / --worker-kv-endpoint (SGLang servers): not with --worker-endpoint")
+        for ep in a.worker_endpoint:
+            try:
+                host, _ = parse_tcp(ep, "--worker-endpoint")
+            except ValueError as e:
+                bad(str(e))
+            if not is_loopback(host) and not a.worker_keys and not a.insecure:
+                bad(f"--worker-endpoint {ep}: not a loopback address; give --worker-keys DIR "
+                    "(CURVE) or --insecure")  # fmt: skip
+        if len(set(a.worker_endpoint)) != len(a.worker_endpoint):
+            bad("--worker-endpoint: an endpoint is given twice")
+        if a.dp is not None and a.dp != len(a.worker_endpoint):
+            bad(f"--dp {a.dp} does not match the {len(a.worker_endpoint)} --worker-endpoint given")
+        return len(a.worker_endpoint)
+
+    def workers(self, cfg: LaunchConfig, tenants: TenantTable | None) -> Workers:
+        from sgl_fair.launch.workers import RemoteWorkers
+
+        return RemoteWorkers(cfg)
+
+    def engine_label(self, state: Any) -> str:
+        engines = sorted({w.engine for w in state.service.workers.values() if w.engine})
+        return ", ".join(engines) or "remote"
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (SimBackend(), TorchBackend(), SGLangBackend(), RemoteBackend())
+}
 DEFAULT_BACKEND = "sim"
 
 

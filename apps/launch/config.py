@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,13 @@ class LaunchConfig:
     torch_attention: str = "reference"
     kv_allocator: str = "token"
     kv_allocator_opts: dict[str, Any] = field(default_factory=dict)
+    # many hosts (docs/operators.md): standalone workers, router replicas
+    worker_endpoints: tuple[str, ...] = ()  # --backend remote: tcp://HOST:PORT each
+    worker_keys: str | None = None  # CURVE keys folder (router.key_secret, worker.key)
+    router_replicas: int | None = None  # start dp standalone workers and R routers over them
+    replica_state: str = "shared"  # shared: fairness state through the workers' reports
+    replica_id: int | None = None  # this router's id in those reports (None: a plain Router)
+    tenant_limits_split: int = 1  # enforce 1/N of each tenant's max_inflight, rpm, burst
 
 
 def _kv(items: Sequence[str], flag: str) -> dict[str, Any]:
@@ -214,6 +222,24 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         )  # fmt: skip
     except ValueError as e:
         bad(str(e) if str(e).startswith("--cluster-oit-opt") else f"--cluster-oit-opt: {e}")
+    if a.router_only and not a.worker_endpoint:
+        bad("--router-only needs --worker-endpoint tcp://HOST:PORT (the workers to route to)")
+    if a.router_replicas is not None:
+        if a.router_replicas < 1:
+            bad(f"--router-replicas must be >= 1 (got {a.router_replicas})")
+        if not backend.replicable:
+            bad(f"--router-replicas: --backend {backend.name} workers cannot run standalone "
+                "(sim and torch can)")  # fmt: skip
+        if a.port + a.router_replicas - 1 > 65535:
+            bad(f"--port {a.port} + --router-replicas {a.router_replicas} passes 65535")
+    if a.tenant_limits_split < 1:
+        bad(f"--tenant-limits-split must be >= 1 (got {a.tenant_limits_split})")
+    if a.worker_keys is not None:
+        for name in ("router.key_secret", "worker.key"):
+            if not os.path.isfile(os.path.join(a.worker_keys, name)):
+                bad(f"--worker-keys {a.worker_keys}: {name} is missing (python -m "
+                    "sgl_fair.worker --make-keys DIR writes both)")  # fmt: skip
+    shared = a.worker_endpoint and a.replica_state == "shared"
     if a.tenants is not None:
         try:
             load_tenants(a.tenants)
@@ -277,6 +303,12 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         torch_attention=a.torch_attention,
         kv_allocator=a.kv_allocator,
         kv_allocator_opts=alloc_opts,
+        worker_endpoints=tuple(a.worker_endpoint),
+        worker_keys=a.worker_keys,
+        router_replicas=a.router_replicas,
+        replica_state=a.replica_state,
+        replica_id=random.getrandbits(31) if shared else None,
+        tenant_limits_split=a.tenant_limits_split,
     )
 
 

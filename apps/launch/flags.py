@@ -200,4 +200,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait this long for every worker (default: 120; sglang: 900, loading a model "
         "takes minutes)",
     )  # fmt: skip
+    # ---- many hosts (docs/operators.md): remote workers and router replicas ----
+    p.add_argument(
+        "--worker-endpoint", action="append", default=[], metavar="tcp://HOST:PORT",
+        help="a standalone worker (python -m sgl_fair.worker --bind tcp://HOST:PORT) to route "
+        "to; repeatable. Implies --backend remote: this process is a router only",
+    )  # fmt: skip
+    p.add_argument(
+        "--router-only", action="store_true",
+        help="start no workers: route to the --worker-endpoint ones (implied by them)",
+    )  # fmt: skip
+    p.add_argument(
+        "--worker-keys", default=None, metavar="DIR",
+        help="CURVE keys for --worker-endpoint: DIR/router.key_secret and DIR/worker.key "
+        "(python -m sgl_fair.worker --make-keys DIR); needed off loopback",
+    )  # fmt: skip
+    p.add_argument(
+        "--insecure", action="store_true",
+        help="allow a non-loopback --worker-endpoint without --worker-keys (plain text)",
+    )  # fmt: skip
+    p.add_argument(
+        "--router-replicas", type=int, default=None, metavar="R",
+        help="start --dp standalone workers and R router replicas over them, on ports "
+        "--port .. --port+R-1 (sim, torch; for trying replicas on one host)",
+    )  # fmt: skip
+    p.add_argument(
+        "--replica-state", choices=("shared", "independent"), default="shared",
+        help="with --worker-endpoint / --router-replicas: share the fairness state through "
+        "the workers' service reports (shared), or each replica alone (independent)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tenant-limits-split", type=int, default=1, metavar="R",
+        help="enforce 1/R of each tenant's max_inflight, rpm and burst here (this router is "
+        "one of R replicas behind a load balancer; --router-replicas sets it)",
+    )  # fmt: skip
     return p

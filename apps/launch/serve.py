@@ -18,6 +18,7 @@ from sgl_fair.launch.backends import backend_of
 from sgl_fair.launch.config import LaunchConfig, parse_config
 from sgl_fair.launch.http_protocol import connection_options
 from sgl_fair.launch.ports import connection_budget, port_free, raise_fd_limit
+from sgl_fair.launch.replicas import client_keys, serve_replicas, split_limits
 from sgl_fair.launch.workers import ProcessGroup, sim_worker_configs, text_model
 
 __all__ = ["ProcessGroup", "main", "serve", "sim_worker_configs", "text_model"]
@@ -36,6 +37,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
     except ImportError:  # uvloop is optional (not on Windows): plain asyncio then
         uvloop = None
 
+    from sgl_fair.router.membership import Membership
     from sgl_fair.router.server import ServerState, build_app
     from sgl_fair.router.tokenizer import BuiltinTokenizer, load_tokenizer
 
@@ -53,6 +55,8 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         print(f"launch: error: {why}", file=sys.stderr)
         return 2
     tenants = load_tenants(cfg.tenants) if cfg.tenants else None
+    if tenants is not None:  # one of R replicas: 1/R of each cluster-wide limit
+        tenants = split_limits(tenants, cfg.tenant_limits_split)
     if cfg.port and not port_free(cfg.host, cfg.port):
         print(f"launch: error: --port {cfg.port} is already in use on {cfg.host}", file=sys.stderr)
         return 2
@@ -71,6 +75,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         worker_urls=workers.urls,
         follow_kv_events=workers.follow_kv_events,
         features=backend.features,
+        local_workers=workers.local_workers,
     )
 
     class Server(uvicorn.Server):
@@ -103,12 +108,17 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
                         f.write(url)
 
     async def on_shutdown() -> None:
+        await state.membership.close()
         await state.service.close()
         await asyncio.get_running_loop().run_in_executor(None, workers.stop)
 
     async def run() -> int:
         # Workers first, outside uvicorn: a start-up failure is one line, not a traceback.
         await state.service.start()
+        state.membership = Membership(
+            state.service, name=f"{cfg.host}:{cfg.port}", keys=client_keys(cfg)
+        )
+        state.membership.start()
         workers.start(state)
         try:
             await state.service.wait_ready(cfg.startup_timeout_s)
@@ -146,6 +156,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_config(argv)
+    run = serve_replicas if cfg.router_replicas is not None else serve  # --router-replicas
     with contextlib.suppress(KeyboardInterrupt):
-        return serve(cfg)
+        return run(cfg)
     return 0

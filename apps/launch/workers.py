@@ -87,6 +87,7 @@ class Workers:
     urls: list[str]  # each worker's engine server (shown in /server_info); [] for none
     kv_endpoints: list[str] | None  # where each publishes KV events; None: the ipc default
     follow_kv_events: bool  # False: the router guesses the caches from what it routed
+    local_workers: int | None = None  # on this host's ipc sockets (None: all dp of them)
 
     def __init__(self) -> None:
         self.procs = ProcessGroup()
@@ -136,6 +137,25 @@ class LocalWorkers(Workers):
             state.service.restarter = self.procs.restart
             state.service.restart_backoff_s = (cfg.worker_restart_backoff_s, 30.0)
         self.watch(state)
+
+
+class RemoteWorkers(Workers):
+    """``--worker-endpoint``: standalone workers (``python -m sgl_fair.worker --bind``)
+    elsewhere; the router links to each (``router/remote_link.py``) and starts nothing."""
+
+    local_workers = 0
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def start(self, state: Any) -> None:
+        for endpoint in self.cfg.worker_endpoints:
+            state.membership.add(endpoint)
+
+    def startup_error(self, e: Exception) -> str:
+        return (f"{e}: is `python -m sgl_fair.worker --bind ...` running at "
+                f"{', '.join(self.cfg.worker_endpoints)} (and --worker-keys right)?")  # fmt: skip
 
 
 def sim_worker_configs(cfg: LaunchConfig, state: Any, backend: Backend | None = None) -> list[Any]:
