@@ -90,14 +90,13 @@ def config(a: argparse.Namespace) -> Any:
     )  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Any, Any]:
+    """The checked command line: (args, its LiveWorkerConfig, its ServerKeys or None); a bad
+    flag exits 2 with one line naming it. ``--make-keys`` returns (args, None, None)."""
     p = build_parser()
     a = p.parse_args(argv)
     if a.make_keys:
-        paths = make_keys(a.make_keys)
-        print(f"wrote {paths['worker_secret']}, {paths['router_secret']} and their public "
-              f"certificates; routers accepted: {paths['authorized']}")  # fmt: skip
-        return 0
+        return a, None, None
     if not a.bind:
         p.error("--bind tcp://HOST:PORT is required")
     try:
@@ -115,6 +114,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config(a)
     except ValueError as e:
         p.error(str(e))
+    return a, cfg, keys
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a, cfg, keys = parse(argv)
+    if a.make_keys:
+        paths = make_keys(a.make_keys)
+        print(f"wrote {paths['worker_secret']}, {paths['router_secret']} and their public "
+              f"certificates; routers accepted: {paths['authorized']}")  # fmt: skip
+        return 0
     from sgl_fair.worker.remote import remote_worker_main
 
     print(f"sgl-fair worker {a.id} serving routers at {a.bind} ({a.backend}, "
