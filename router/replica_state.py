@@ -51,6 +51,7 @@ class ReplicaState:
             raise ValueError(f"replica ids are >= 0 (got {replica})")
         self.replica = replica
         self._workers: dict[int, _WorkerView] = {}
+        self._rejoined: set[int] = set()  # workers whose next report is a baseline
         self.num_reports = 0
         self.num_stale_reports = 0
 
@@ -84,8 +85,10 @@ class ReplicaState:
     ) -> list[tuple[ClientId, int, int]]:
         """Take ``worker``'s report; returns the other replicas' service on it since the last
         one, per client: ``(client, extend tokens, output tokens)``, zeros left out. A report
-        older than the last one taken is ignored (``[]``). Raises ValueError for a report that
-        contradicts this replica's own record (a worker restarted: ``worker_removed`` first)."""
+        older than the last one taken is ignored (``[]``). The first report after
+        ``worker_removed`` is a baseline: its totals hold the worker's whole history, which
+        the policy forgot with the worker, so it returns ``[]``. Raises ValueError for a report
+        that contradicts this replica's own record."""
         view = self._view(worker)
         if t_s < view.t_s:
             self.num_stale_reports += 1
@@ -122,6 +125,9 @@ class ReplicaState:
         view.unreported_out = {}
         view.peer_requests = report.num_requests - own_here
         self.num_reports += 1
+        if worker in self._rejoined:
+            self._rejoined.discard(worker)
+            return []
         peers.sort()
         return peers
 
@@ -147,5 +153,6 @@ class ReplicaState:
         return None if view is None or view.t_s == float("-inf") else view.t_s
 
     def worker_removed(self, worker: int) -> None:
-        """Forget ``worker`` (dead, or restarted: its totals start again from zero)."""
-        self._workers.pop(worker, None)
+        """Forget ``worker`` (dead, or this replica lost it); its next report is a baseline."""
+        if self._workers.pop(worker, None) is not None:
+            self._rejoined.add(worker)

@@ -62,6 +62,20 @@ def test_old_reports_are_ignored_and_contradictions_raise():
         s.report(0, 3.0, _report([("a", 10, 0)], [(0, 1)], 0))
 
 
+def test_a_rejoined_workers_first_report_is_a_baseline_not_new_service():
+    s = ReplicaState(0)
+    s.dispatched(0, "a", 10)
+    assert s.report(0, 1.0, _report([("a", 510, 0)], [(0, 1), (1, 3)], 2)) == [("a", 500, 0)]
+    s.worker_removed(0)  # the policy forgot the worker's deficits with it
+    assert s.service(0, "a") == (0, 0)
+    assert s.dispatched(0, "a", 20) == 1  # our count starts again (the worker's too)
+    # 530 of history (ours and the others'): a baseline, charged to nobody.
+    assert s.report(0, 2.0, _report([("a", 530, 0)], [(0, 1), (1, 3)], 3)) == []
+    assert s.service(0, "a") == (530, 0)
+    # From then on only what is new counts.
+    assert s.report(0, 3.0, _report([("a", 570, 0)], [(0, 1), (1, 4)], 4)) == [("a", 40, 0)]
+
+
 def test_ledger_checks_order_and_reports_totals():
     ledger = ServiceLedger()
     ledger.received(0, 1, "a", 10)
