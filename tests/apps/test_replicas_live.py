@@ -23,8 +23,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
-from tests.worker.test_remote_worker import free_port_pair, start_worker
+from remote_helpers import free_port_pair, start_worker
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +61,9 @@ def replicas(tmp_path_factory) -> Iterator[tuple[list[str], list[int], subproces
     deadline = time.time() + 90
     pids: list[int] = []
     while not pids:
-        assert proc.poll() is None, open(log_path).read()
-        assert time.time() < deadline, open(log_path).read()
-        m = re.search(r"replicas ready at .*\(pids ([\d, ]+);", open(log_path).read())
+        assert proc.poll() is None, log_path.read_text()
+        assert time.time() < deadline, log_path.read_text()
+        m = re.search(r"replicas ready at .*\(pids ([\d, ]+);", log_path.read_text())
         if m:
             pids = [int(x) for x in m.group(1).split(",")]
         time.sleep(0.2)

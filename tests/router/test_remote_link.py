@@ -13,13 +13,13 @@ import tempfile
 import time
 
 import pytest
+from remote_helpers import free_port_pair, start_worker
 
 from sgl_fair.request import Request
 from sgl_fair.router import Router, make_router_policy
 from sgl_fair.router.remote_link import RemoteLink
 from sgl_fair.router.service import RouterService
 from sgl_fair.transport import Endpoints
-from tests.worker.test_remote_worker import free_port_pair, start_worker
 
 
 def replica(name: str, port: int) -> tuple[RouterService, RemoteLink]:

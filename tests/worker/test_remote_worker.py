@@ -9,7 +9,6 @@ aborted; with CURVE keys a client without the accepted key hears nothing.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,38 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from remote_helpers import free_port_pair, start_worker
 
 from sgl_fair import kv_events
 from sgl_fair.messages import Dispatch, Finished, Hello, Load, Tokens
 from sgl_fair.remote import Attach, ClientKeys, curve_client, encode_control, make_keys
 from sgl_fair.request import Request
 from sgl_fair.transport import decode, encode
-
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65534:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
-def start_worker(port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sgl_fair.worker", "--bind", f"tcp://127.0.0.1:{port}",
-           "--log-level", "warning", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # its banner: it is up
-    assert "serving routers" in line, proc.stderr.read()
-    return proc
 
 
 @pytest.fixture
