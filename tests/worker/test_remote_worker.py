@@ -152,6 +152,7 @@ def test_curve_a_client_without_the_key_hears_nothing(tmp_path) -> None:
         bad = Replica(ctx, port, "bad", ClientKeys(other["router_secret"], paths["worker_public"]))
         plain = Replica(ctx, port, "plain")
         wait_for(good, lambda: good.of(Hello))
+        time.sleep(0.3)  # its KV subscription is joined before the first event
         good.send(Dispatch(0, request("k"), time.time()))
         wait_for(good, lambda: good.of(Finished))
         for r in (bad, plain):
