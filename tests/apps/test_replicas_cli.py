@@ -1,0 +1,58 @@
+"""The launcher's many-host flags: one clear error line naming the flag for each misuse, and
+the tenant limits split over replicas (``apps/launch/replicas.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_fair.config import parse_tenants
+from sgl_fair.launch.config import parse_config
+from sgl_fair.launch.replicas import split_limits
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--router-only"], "--router-only needs --worker-endpoint"),
+        (["--worker-endpoint", "tcp://10.2.3.4:5000"], "--worker-keys DIR (CURVE) or --insecure"),
+        (["--worker-endpoint", "127.0.0.1:5000"], "--worker-endpoint: expected tcp://HOST:PORT"),
+        (["--worker-endpoint", "tcp://127.0.0.1:5000", "--dp", "2"], "--dp 2 does not match"),
+        (["--backend", "sim", "--worker-endpoint", "tcp://127.0.0.1:5"], "--backend remote"),
+        (["--router-replicas", "0"], "--router-replicas must be >= 1"),
+        (["--worker-url", "http://h:1", "--router-replicas", "2"], "cannot run standalone"),
+        (["--tenant-limits-split", "0"], "--tenant-limits-split must be >= 1"),
+        (["--worker-endpoint", "tcp://127.0.0.1:5", "--worker-keys", "/nonexistent"],
+         "router.key_secret is missing"),
+    ],
+)  # fmt: skip
+def test_misuse_is_one_line_naming_the_flag(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_remote_endpoints_make_a_router_only_replica():
+    cfg = parse_config(["--worker-endpoint", "tcp://127.0.0.1:5000",
+                        "--worker-endpoint", "tcp://127.0.0.1:5002"])  # fmt: skip
+    assert cfg.backend == "remote" and cfg.dp == 2 and cfg.replica_id is not None
+    alone = parse_config(["--worker-endpoint", "tcp://127.0.0.1:5000",
+                          "--replica-state", "independent"])  # fmt: skip
+    assert alone.replica_id is None  # a plain Router: its own dispatches only
+    off_host = parse_config(["--worker-endpoint", "tcp://10.2.3.4:5000", "--insecure"])
+    assert off_host.worker_endpoints == ("tcp://10.2.3.4:5000",)
+
+
+def test_limits_split_over_replicas():
+    table = parse_tenants({
+        "defaults": {"max_inflight": 5, "rpm": 60},
+        "tenant": [{"name": "a", "max_inflight": 9, "rpm": 600, "burst": 10, "weight": 2.0},
+                   {"name": "b"}],
+    })  # fmt: skip
+    half = split_limits(table, 2)
+    a = half.get("a")
+    assert (a.max_inflight, a.rpm, a.burst, a.weight) == (5, 300.0, 5.0, 2.0)  # weight kept
+    assert half.effective("nobody").max_inflight == 3 and half.effective("nobody").rpm == 30.0
+    assert split_limits(table, 1) is table
+    tiny = split_limits(parse_tenants({"tenant": [{"name": "t", "max_inflight": 1}]}), 4)
+    assert tiny.get("t").max_inflight == 1  # never below one request
