@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,8 @@ class Membership:
         self.num_added = 0
         self.num_removed = 0
         self._task: asyncio.Task | None = None
+        self._from_file: set[str] = set()  # endpoints the watched file added
+        self._file_mtime: int | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="membership")
@@ -149,6 +152,52 @@ class Membership:
                     await self._finish(m, "drained")
                 elif now - m.draining_since > self.drain_timeout_s:
                     await self._finish(m, f"drain timed out after {self.drain_timeout_s:.0f}s")
+
+    # ---- a watched file of endpoints -----------------------------------------------------------
+
+    def watch(self, path: str, period_s: float = 2.0) -> None:
+        """Follow ``path`` (one ``tcp://HOST:PORT`` a line; ``#`` comments): an endpoint that
+        appears is added, one that leaves is drained and removed. Only the file's own
+        endpoints are managed by it (``POST /workers`` ones stay)."""
+        self.sync_file(path)
+        task = asyncio.get_running_loop().create_task(self._watch(path, period_s), name="watch")
+        self.service._tasks.append(task)
+
+    async def _watch(self, path: str, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self.sync_file(path)
+            except Exception:  # a file half written or gone: try again next period
+                log.exception("could not read the endpoints file %s", path)
+
+    def sync_file(self, path: str) -> None:
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            log.error("endpoints file %s is gone; keeping the workers as they are", path)
+            return
+        if mtime == self._file_mtime:
+            return
+        self._file_mtime = mtime
+        with open(path) as f:
+            lines = [ln.split("#", 1)[0].strip() for ln in f]
+        wanted = [ln for ln in lines if ln]
+        for endpoint in wanted:
+            member = next((m for m in self.members.values() if m.endpoint == endpoint), None)
+            if member is not None and member.draining_since is None:
+                continue  # a member already (from the file, or added by an operator)
+            try:
+                self.add(endpoint)
+            except MembershipError as e:  # still draining (or a bad line): look again later
+                log.error("endpoints file %s: %s", path, e)
+                self._file_mtime = None
+                continue
+            self._from_file.add(endpoint)
+        for m in list(self.members.values()):
+            if m.endpoint in self._from_file and m.endpoint not in wanted:
+                self._from_file.discard(m.endpoint)
+                self.drain(m.wid)
 
     async def close(self) -> None:
         for m in list(self.members.values()):

@@ -78,7 +78,7 @@ class Backend:
             bad("unrecognized arguments: " + " ".join(passthrough))
         if a.worker_url or a.worker_kv_endpoint:
             bad("--worker-url / --worker-kv-endpoint need --backend sglang")
-        if a.worker_endpoint:
+        if a.worker_endpoint or a.worker_endpoints_file:
             bad(f"--worker-endpoint: standalone workers are --backend remote (not {self.name})")
         return 1 if a.dp is None else a.dp
 
@@ -271,15 +271,17 @@ class RemoteBackend(Backend):
     replicable = False  # it starts no workers to share
 
     def implied_by(self, a: argparse.Namespace) -> bool:
-        return bool(a.worker_endpoint)
+        return bool(a.worker_endpoint or a.worker_endpoints_file)
 
     def check(self, a: argparse.Namespace, passthrough: Sequence[str], bad: Bad) -> int:
         from sgl_fair.remote import is_loopback, parse_tcp
 
         if passthrough:
             bad("unrecognized arguments: " + " ".join(passthrough))
-        if not a.worker_endpoint:
+        if not a.worker_endpoint and not a.worker_endpoints_file:
             bad("--backend remote needs --worker-endpoint tcp://HOST:PORT (one per worker)")
+        if a.worker_endpoints_file and not os.path.isfile(a.worker_endpoints_file):
+            bad(f"--worker-endpoints-file {a.worker_endpoints_file}: no such file")
         if a.worker_url or a.worker_kv_endpoint:
             bad("--worker-url / --worker-kv-endpoint (SGLang servers): not with --worker-endpoint")
         for ep in a.worker_endpoint:
@@ -292,6 +294,8 @@ class RemoteBackend(Backend):
                     "(CURVE) or --insecure")  # fmt: skip
         if len(set(a.worker_endpoint)) != len(a.worker_endpoint):
             bad("--worker-endpoint: an endpoint is given twice")
+        if a.worker_endpoints_file:
+            return max(1, len(a.worker_endpoint))  # the file's come and go
         if a.dp is not None and a.dp != len(a.worker_endpoint):
             bad(f"--dp {a.dp} does not match the {len(a.worker_endpoint)} --worker-endpoint given")
         return len(a.worker_endpoint)

@@ -84,6 +84,7 @@ class LaunchConfig:
     kv_allocator_opts: dict[str, Any] = field(default_factory=dict)
     # many hosts (docs/operators.md): standalone workers, router replicas
     worker_endpoints: tuple[str, ...] = ()  # --backend remote: tcp://HOST:PORT each
+    worker_endpoints_file: str | None = None  # watched: more endpoints, one a line
     worker_keys: str | None = None  # CURVE keys folder (router.key_secret, worker.key)
     router_replicas: int | None = None  # start dp standalone workers and R routers over them
     replica_state: str = "shared"  # shared: fairness state through the workers' reports
@@ -222,7 +223,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         )  # fmt: skip
     except ValueError as e:
         bad(str(e) if str(e).startswith("--cluster-oit-opt") else f"--cluster-oit-opt: {e}")
-    if a.router_only and not a.worker_endpoint:
+    if a.router_only and not (a.worker_endpoint or a.worker_endpoints_file):
         bad("--router-only needs --worker-endpoint tcp://HOST:PORT (the workers to route to)")
     if a.router_replicas is not None:
         if a.router_replicas < 1:
@@ -239,7 +240,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
             if not os.path.isfile(os.path.join(a.worker_keys, name)):
                 bad(f"--worker-keys {a.worker_keys}: {name} is missing (python -m "
                     "sgl_fair.worker --make-keys DIR writes both)")  # fmt: skip
-    shared = a.worker_endpoint and a.replica_state == "shared"
+    shared = backend.name == "remote" and a.replica_state == "shared"
     if a.tenants is not None:
         try:
             load_tenants(a.tenants)
@@ -304,6 +305,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         kv_allocator=a.kv_allocator,
         kv_allocator_opts=alloc_opts,
         worker_endpoints=tuple(a.worker_endpoint),
+        worker_endpoints_file=a.worker_endpoints_file,
         worker_keys=a.worker_keys,
         router_replicas=a.router_replicas,
         replica_state=a.replica_state,

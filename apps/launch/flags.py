@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
         "to; repeatable. Implies --backend remote: this process is a router only",
     )  # fmt: skip
     p.add_argument(
+        "--worker-endpoints-file", default=None, metavar="FILE",
+        help="more --worker-endpoint ones, one a line, watched: a line added joins that "
+        "worker, a line removed drains it (also implies --backend remote)",
+    )  # fmt: skip
+    p.add_argument(
         "--router-only", action="store_true",
         help="start no workers: route to the --worker-endpoint ones (implied by them)",
     )  # fmt: skip

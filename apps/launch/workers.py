@@ -152,6 +152,12 @@ class RemoteWorkers(Workers):
     def start(self, state: Any) -> None:
         for endpoint in self.cfg.worker_endpoints:
             state.membership.add(endpoint)
+        if self.cfg.worker_endpoints_file:
+            state.membership.watch(self.cfg.worker_endpoints_file)
+        router, members = state.service.router, state.service.workers
+        for u in router.workers:  # the router's first ids that no worker took
+            if u not in members:
+                router.remove_worker(u)
 
     def startup_error(self, e: Exception) -> str:
         return (f"{e}: is `python -m sgl_fair.worker --bind ...` running at "

@@ -56,3 +56,13 @@ def test_limits_split_over_replicas():
     assert split_limits(table, 1) is table
     tiny = split_limits(parse_tenants({"tenant": [{"name": "t", "max_inflight": 1}]}), 4)
     assert tiny.get("t").max_inflight == 1  # never below one request
+
+
+def test_a_watched_endpoints_file_is_remote_too(tmp_path, capsys):
+    path = tmp_path / "workers.txt"
+    path.write_text("tcp://127.0.0.1:5000\n")
+    cfg = parse_config(["--worker-endpoints-file", str(path), "--router-only"])
+    assert cfg.backend == "remote" and cfg.worker_endpoints_file == str(path)
+    with pytest.raises(SystemExit):
+        parse_config(["--worker-endpoints-file", str(tmp_path / "none.txt")])
+    assert "--worker-endpoints-file" in capsys.readouterr().err

@@ -132,3 +132,27 @@ def test_add_drain_and_remove_at_run_time(two_workers) -> None:
         await svc.close()
 
     asyncio.run(main())
+
+
+def test_a_watched_endpoints_file(two_workers, tmp_path) -> None:
+    a_ep, b_ep = two_workers
+    path = tmp_path / "workers.txt"
+    path.write_text(f"# the fleet\n{a_ep}\n")
+
+    async def main() -> None:
+        svc, m = service()
+        await svc.start()
+        m.start()
+        m.watch(str(path), period_s=0.1)
+        assert [r["endpoint"] for r in m.describe()] == [a_ep]
+        await until(lambda: m.state(0) == "ready")
+        added = m.add(b_ep)  # an operator's own: the file leaves it alone
+        await until(lambda: m.state(added) == "ready")
+        path.write_text("")  # a_ep leaves the file: drained, then removed
+        await until(lambda: [r["endpoint"] for r in m.describe()] == [b_ep])
+        path.write_text(f"{a_ep}  # back\nnot-an-endpoint\n")
+        await until(lambda: sorted(r["endpoint"] for r in m.describe()) == sorted([a_ep, b_ep]))
+        await m.close()
+        await svc.close()
+
+    asyncio.run(main())
