@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 
 from sgl_fair.policies import make_policy
 from sgl_fair.request import Request
-from sgl_fair.worker.engine import StepResult
-from sgl_fair.worker.kv import PrefixKVCache, TokenAllocator
+from sgl_fair.worker.builder import build_worker, register_engine
+from sgl_fair.worker.engine import Batch, StepResult
 from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig
+from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.loop import SimLoop
 
 NUM_USERS = 10_000
 DEPTHS = (20_000, 2_000)
@@ -52,6 +54,8 @@ BUDGET_TOKENS = 8192
 SYS_LEN = 32
 TARGET_US = 50.0
 OUTPUT_BASE = 1 << 30
+POOL_TOKENS = 4_000_000  # memory never blocks
+ENGINE = "bench-fairserve-pass"  # this bench's engine in the worker builder's registry
 
 
 @dataclass
@@ -171,6 +175,89 @@ class Workload:
         return self._call(user, app, iid, stage, now)
 
 
+class PassEngine:
+    """No model: each sampled token is the next number of a counter; a prefill pass takes
+    30 ms of virtual time, a decode step 10 ms. It records each prefill pass — the admission
+    order, and once past the warm-up the policy's and the scheduler's time per admitted
+    request — before the scheduler applies it (``costs.measuring`` then also covers the
+    pass's finishes)."""
+
+    def __init__(self, costs: Costs, warmup: int) -> None:
+        self.costs = costs
+        self.warmup = warmup
+        self.token = OUTPUT_BASE
+        self.num_passes = 0
+        self.orders: list[list[str]] = []
+        self.loop: SimLoop | None = None  # whose last step this engine runs
+
+    def run(self, batch: Batch) -> StepResult:
+        costs = self.costs
+        if batch.prefill:
+            self.num_passes += 1
+            costs.measuring = self.num_passes > self.warmup
+            admitted = [c.req for c in batch.prefill]
+            self.orders.append([r.rid for r in admitted])
+            if costs.measuring:
+                assert self.loop is not None
+                n = len(admitted)
+                costs.admitted.append(n)
+                costs.select.append(costs.pass_select / n)
+                costs.select_total += costs.pass_select
+                costs.step.append(self.loop.last_step_wall_s / n)
+        tokens = []
+        for _ in batch.sampling_requests():
+            self.token += 1
+            tokens.append(self.token)
+        return StepResult(batch, 0.03 if batch.prefill else 0.01, tokens)
+
+
+class PassEngineKind:
+    """``PassEngine`` in the worker builder's registry (this bench's own engine)."""
+
+    @dataclass(frozen=True)
+    class Config:
+        costs: Costs | None = None
+        warmup: int = 0
+
+    exact_kv = False
+    synchronous = False
+
+    def default_cost_model(self) -> CostModel:
+        return CostModel.from_names("H100-80GB", "Llama-3.1-8B")  # unused: FairServe orders
+
+    def default_kv_tokens(self, cost_model: CostModel) -> int:
+        return POOL_TOKENS
+
+    def make_engine(self, config, scheduler, allocator, cost_model) -> PassEngine:
+        return PassEngine(config.costs or Costs(), config.warmup)
+
+    def live_parts(self, cfg):
+        raise ValueError("the bench's pass engine is not for live workers")
+
+    def describe(self, cfg) -> str:
+        return "bench pass engine"
+
+
+register_engine(ENGINE, PassEngineKind())
+
+
+class TopUp:
+    """The arrival source: new interactions top the waiting queue up to ``depth`` (their
+    first calls arrive now); a finished call's next call is added by the loop's hook."""
+
+    def __init__(self, wl: Workload, depth: int) -> None:
+        self.wl = wl
+        self.depth = depth
+
+    def release(self, now: float, scheduler: Scheduler) -> None:
+        while scheduler.num_waiting < self.depth:
+            for req in self.wl.start(now):
+                scheduler.add_request(req, now)
+
+    def next_s(self) -> float | None:
+        return None
+
+
 def run(
     depth: int,
     *,
@@ -187,57 +274,34 @@ def run(
         raise SystemExit("this FairServe has no reference path (FairServe.incremental)")
     costs = Costs()
     instrument(policy, costs)
-    sched = Scheduler(
+    sched, engine = build_worker(
         policy=policy,
-        kv=PrefixKVCache(TokenAllocator(4_000_000)),
+        engine=ENGINE,
+        engine_opts={"costs": costs, "warmup": warmup},
         config=SchedulerConfig(max_running_requests=512, chunked_prefill_size=BUDGET_TOKENS),
     )
+    assert isinstance(engine, PassEngine)
     wl = Workload(seed)
-    now = 0.0
-
-    def top_up() -> None:
-        while sched.num_waiting < depth:
-            for req in wl.start(now):
-                sched.add_request(req, now)
-
-    top_up()
-    orders: list[list[str]] = []
     done_seen = 0
-    token = OUTPUT_BASE
-    num_passes = 0
-    clock = time.perf_counter
-    while num_passes < warmup + passes:
+
+    def before_step(loop: SimLoop) -> bool:
         costs.pass_select = 0.0
-        t = clock()
-        batch = sched.step(now)
-        elapsed = clock() - t
-        if batch is None:
-            break
-        if batch.prefill:
-            num_passes += 1
-            costs.measuring = num_passes > warmup
-            admitted = [c.req for c in batch.prefill]
-            orders.append([r.rid for r in admitted])
-            if costs.measuring:
-                n = len(admitted)
-                costs.admitted.append(n)
-                costs.select.append(costs.pass_select / n)
-                costs.select_total += costs.pass_select
-                costs.step.append(elapsed / n)
-        tokens = []
-        for _ in batch.sampling_requests():
-            token += 1
-            tokens.append(token)
-        now += 0.03 if batch.prefill else 0.01
-        sched.apply(StepResult(batch, 0.0, tokens), now)
-        # Between passes: finished calls' next calls arrive, new interactions top up.
+        return engine.num_passes < warmup + passes
+
+    def on_step(loop: SimLoop, batch, result, start_s: float) -> None:
+        # Between passes: finished calls' next calls arrive (then new interactions top up).
+        nonlocal done_seen
         done = sched.log.done
         for req in done[done_seen:]:
-            nxt = wl.next_call(req, now) if req.finish_s is not None else None
+            nxt = wl.next_call(req, loop.now) if req.finish_s is not None else None
             if nxt is not None:
-                sched.add_request(nxt, now)
+                sched.add_request(nxt, loop.now)
         done_seen = len(done)
-        top_up()
+
+    loop = SimLoop(sched, engine, TopUp(wl, depth), before_step=before_step, on_step=on_step)
+    engine.loop = loop
+    loop.run()
+    orders = engine.orders
     info = {
         "throttled": getattr(policy, "num_throttled", 0),
         "fallbacks": getattr(policy, "num_fallbacks", 0),
