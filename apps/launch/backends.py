@@ -300,6 +300,17 @@ class RemoteBackend(Backend):
             bad(f"--dp {a.dp} does not match the {len(a.worker_endpoint)} --worker-endpoint given")
         return len(a.worker_endpoint)
 
+    def check_model(self, a: argparse.Namespace, bad: Bad) -> None:
+        pass  # the workers run their own engine and model
+
+    def launch_limits(self, cfg: LaunchConfig) -> tuple[int, int]:
+        """The simulator's numbers for ``--model`` when it knows it, else a torch worker's
+        defaults (its pool, a preset's positions) until the workers report."""
+        try:
+            return super().launch_limits(cfg)
+        except (KeyError, ValueError):
+            return cfg.kv_tokens or torch_kv_tokens(cfg), cfg.context_length or 8192
+
     def workers(self, cfg: LaunchConfig, tenants: TenantTable | None) -> Workers:
         from sgl_fair.launch.workers import RemoteWorkers
 

@@ -66,3 +66,15 @@ def test_a_watched_endpoints_file_is_remote_too(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--worker-endpoints-file", str(tmp_path / "none.txt")])
     assert "--worker-endpoints-file" in capsys.readouterr().err
+
+
+def test_a_router_over_torch_workers_starts_from_their_defaults():
+    """--router-replicas with --backend torch: the replicas' --model is a torch preset the
+    simulator does not know; they start from a torch worker's numbers."""
+    import dataclasses
+
+    from sgl_fair.launch.backends import backend_of
+
+    cfg = parse_config(["--worker-endpoint", "tcp://127.0.0.1:5000"])
+    kv, context = backend_of("remote").launch_limits(dataclasses.replace(cfg, model="tiny"))
+    assert kv > 0 and context == 8192
