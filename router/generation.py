@@ -3,7 +3,7 @@
 A :class:`Generation` submits its prompt to the router service, applies the stop strings, stop
 ids and token limit to the tokens that come back, detokenizes them incrementally and builds
 the :class:`~sgl_fair.router.protocol.Completion` the response is made of. A request's
-generations, run from start to end, are in ``router/generations.py``.
+generations, run from start to end, are in ``router/lifecycle.py``.
 """
 
 from __future__ import annotations

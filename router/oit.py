@@ -144,7 +144,7 @@ class ClusterOIT:
         self.config = config or ClusterOITConfig.from_options(**options)
         self.windows = Windows(self.config.limits)
         self._interactions: dict[str, float] = {}  # interaction id -> last activity
-        self._open: dict[str, str] = {}  # rid -> interaction id, of admitted calls
+        self._open: dict[str, str] = {}  # rid -> interaction id, of calls let through
         self._open_n: dict[str, int] = {}  # interaction id -> its calls in ``_open``
         self._forget_at = 4096  # forget ended interactions once this many are kept
         self.num_arrivals = 0

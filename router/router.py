@@ -2,7 +2,7 @@
 
 The simulator and the live server drive the same object; time is passed in::
 
-    router.admit(req, now) -> Rejection|None cluster-level OIT (when built with ``oit=``)
+    router.throttle(req, now) -> Rejection|None  cluster-level OIT (when built with ``oit=``)
     router.dispatch(req, now) -> Dispatch    match → policy.select → record → policy hook
     router.handle(msg, now)                  Tokens / Finished / Evicted / Load, as they come
     router.apply_kv_ops(u, ops, t_s)         SGLang-format KV events, decoded (kv_events.py)
@@ -62,7 +62,7 @@ class Router:
         oit: ClusterOIT | None = None,
     ) -> None:
         """``oit``: FairServe's throttling over the cluster (``router/oit.py``), checked by
-        ``admit`` before a request is dispatched; None: every request is admitted."""
+        ``throttle`` before a request is dispatched; None: nothing is throttled."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         if max_tree_tokens is not None and max_tree_tokens < 0:
@@ -100,10 +100,10 @@ class Router:
         """When (the router's ``now``) it took ``worker``'s latest ``Load``, if any."""
         return self._load_seen.get(worker)
 
-    # ---- admission -------------------------------------------------------------------------
+    # ---- throttling (the cluster OIT) ----------------------------------------------------------
 
-    def admit(self, req: Request, now: float) -> Rejection | None:
-        """Whether ``req`` may be dispatched: the cluster OIT's verdict (None: yes). Call it
+    def throttle(self, req: Request, now: float) -> Rejection | None:
+        """Whether the cluster OIT throttles ``req``: its Rejection, or None to dispatch it. Call it
         once per request that arrives (a re-dispatch after a worker died is no arrival)."""
         if self.oit is None:
             return None

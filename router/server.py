@@ -39,9 +39,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 
 from sgl_fair.router import protocol as P
-from sgl_fair.router.admission import AdmissionMiddleware
 from sgl_fair.router.guard import AdminGuard
 from sgl_fair.router.http_io import error_response
+from sgl_fair.router.intake import IntakeMiddleware
 from sgl_fair.router.routes_info import info_routes
 from sgl_fair.router.routes_openai import openai_routes
 from sgl_fair.router.routes_sglang import sglang_routes
@@ -90,8 +90,8 @@ def build_app(
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
 ) -> AdminGuard:
     """The app over ``state``: its route groups, every error as OpenAI's error JSON,
-    ``on_startup`` / ``on_shutdown`` run around serving, and admission in front of it all
-    (``admission.py``: the bounded queue and the bounded work per loop pass)."""
+    ``on_startup`` / ``on_shutdown`` run around serving, and the intake in front of it all
+    (``intake.py``: the bounded queue and the bounded work per loop pass)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -115,15 +115,15 @@ def build_app(
         },
         lifespan=lifespan,
     )
-    admission = AdmissionMiddleware(
+    intake = IntakeMiddleware(
         app,
         max_queued=state.cfg.max_queued_requests,
         max_body_bytes=state.cfg.max_body_bytes,
         on_reject=state.telemetry.queue_full,
     )
-    state.telemetry.track_admission(admission)
+    state.telemetry.track_intake(intake)
     return AdminGuard(
-        admission,
+        intake,
         admin_key=state.cfg.admin_key,
         tenants=state.tenants,
         allow_loopback=state.cfg.admin_loopback,

@@ -208,7 +208,7 @@ class RouterService(WorkerLiveness):
         if req.rid in self.calls:
             raise ValueError(f"request id {req.rid!r} is already in flight")
         call = Call(req, tenant, self.clock())
-        rejection = self.router.admit(req, call.submit_s)  # the cluster OIT, if on
+        rejection = self.router.throttle(req, call.submit_s)  # the cluster OIT, if on
         if rejection is not None:  # answered as a worker's refusal would be: never sent
             call.finished = refusal(req, rejection, call.submit_s)
             call.done.set()

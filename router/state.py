@@ -2,9 +2,10 @@
 
 :class:`ServerState` holds what every handler needs (router service, tokenizer, tenants,
 limits) and answers for the server as a whole: who is asking (:meth:`ServerState.identify`,
-an :class:`Identity`), whether their tenant may send more now (:meth:`ServerState.admit`:
-requests per minute and in flight, HTTP 429), and what a prompt is in tokens
-(:meth:`ServerState.tokenize`: the vocabulary, the context length, the tenant's input cap).
+an :class:`Identity`), whether their tenant may send more now
+(:meth:`ServerState.check_tenant_limits`: requests per minute and in flight, HTTP 429), and
+what a prompt is in tokens (:meth:`ServerState.tokenize`: the vocabulary, the context
+length, the tenant's input cap).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class ServerState:
             )  # fmt: skip
         return sched
 
-    def admit(self, who: Identity, n: int) -> None:
+    def check_tenant_limits(self, who: Identity, n: int) -> None:
         """Tenant limits: requests per minute and requests in flight (HTTP 429)."""
         t = who.tenant
         if t is None:

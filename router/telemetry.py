@@ -252,9 +252,9 @@ class Telemetry:
     def queue_full(self) -> None:
         self.queue_full_total.inc()
 
-    def track_admission(self, admission: Any) -> None:
-        """Export the admission middleware's queue."""
-        self.queued.set_function(lambda: admission.num_active)
+    def track_intake(self, intake: Any) -> None:
+        """Export the intake middleware's queue (``intake.py``)."""
+        self.queued.set_function(lambda: intake.num_active)
 
     def watch_tree(self, tree: object) -> None:
         """Export the global tree's size (read at scrape time)."""

@@ -77,7 +77,7 @@ class ChatTemplateError(ValueError):
     """
 
 
-def _check_ids(ids: Sequence[int], vocab_size: int) -> None:
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
     # min/max run in C; a negative id would otherwise index a table from its end.
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = next(i for i in ids if not 0 <= i < vocab_size)
@@ -216,7 +216,7 @@ class BuiltinTokenizer:
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", "replace")
 
     def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = True) -> bytes:
-        _check_ids(ids, _VOCAB_SIZE)
+        check_token_ids(ids, _VOCAB_SIZE)
         table = self._bytes_skip if skip_special_tokens else self._bytes_all
         return b"".join(map(table.__getitem__, ids))
 
@@ -225,7 +225,7 @@ class BuiltinTokenizer:
         return self.token_bytes(token_id).decode("utf-8", "replace")
 
     def token_bytes(self, token_id: int) -> bytes:
-        _check_ids((token_id,), _VOCAB_SIZE)
+        check_token_ids((token_id,), _VOCAB_SIZE)
         return self._bytes_all[token_id]
 
     def is_special(self, token_id: int) -> bool:

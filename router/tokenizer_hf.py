@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sgl_fair.router.tokenizer import ChatTemplateError, _check_ids, render_builtin_chat
+from sgl_fair.router.tokenizer import ChatTemplateError, check_token_ids, render_builtin_chat
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -189,11 +189,11 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        _check_ids(ids, self.vocab_size)
+        check_token_ids(ids, self.vocab_size)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        _check_ids((token_id,), self.vocab_size)
+        check_token_ids((token_id,), self.vocab_size)
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def is_special(self, token_id: int) -> bool:

@@ -74,10 +74,10 @@ class ReplicaSet:
 
     # ---- what the simulator calls -----------------------------------------------------------
 
-    def admit(self, req: Request, now: float) -> Rejection | None:
+    def throttle(self, req: Request, now: float) -> Rejection | None:
         self._deliver(now)
         r = self._pick(req)
-        rejection = self.replicas[r].admit(req, now)
+        rejection = self.replicas[r].throttle(req, now)
         if rejection is not None:
             del self._owner[req.rid]
         return rejection

@@ -5,7 +5,7 @@ The parsers (``requests_sglang``, ``requests_openai``) turn a body into :class:`
 with validated :class:`SamplingParams` under the server's :class:`Limits`. Every failure is a
 :class:`ProtocolError` naming the offending field with a JSON path
 (``sampling_params.max_new_tokens must be an integer >= 0 (got -5)``), because the person
-reading the 400 is debugging a client.
+reading the 400 is debugging a client; the checks of one value are in ``fields.py``.
 
 SGLang's contract (``docs/compatibility.md``): unknown keys at the top level of a body are
 ignored, as SGLang ignores them (gateways add fields; SGLang's own clients send fields of
@@ -17,20 +17,35 @@ images) are passed through untouched to an engine that takes them (``--backend s
 never silently dropped.
 ``null`` always means "not given": SGLang's own frontend sends ``"regex": null`` and
 ``"json_schema": null`` with every request.
-
-The ``_``-named helpers are this package's own (the parsers import them), not its API.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from sgl_fair.router.protocol.errors import ProtocolError
+from sgl_fair.router.protocol.fields import (
+    FieldTable,
+    PassThrough,
+    bad_value,
+    check_bool,
+    check_int_list,
+    check_obj,
+    is_empty,
+    is_int,
+    v_bool,
+    v_ids,
+    v_n,
+    v_num,
+    v_obj,
+    v_stop,
+    v_str,
+    v_str_or_list,
+    v_str_or_obj,
+    v_top_k,
+)
 
 # ---- limits and normalized requests ---------------------------------------------------------
 
@@ -118,137 +133,8 @@ class GenItem:
     hints: Any = None
 
 
-# ---- value checks ---------------------------------------------------------------------------
-
-
-def _show(value: Any) -> str:
-    try:
-        text = msgspec.json.encode(value).decode()
-    except (TypeError, msgspec.EncodeError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _bad(path: str, what: str, value: Any) -> ProtocolError:
-    return ProtocolError(400, f"{path} must be {what} (got {_show(value)})", path)
-
-
-def _unsupported(path: str, what: str | None = None) -> ProtocolError:
-    return ProtocolError(400, f"{what or path} is not supported by this server", path)
-
-
-def _is_int(v: Any) -> bool:
-    return type(v) is int  # bool is an int subclass, and true is not a token count
-
-
-def _is_num(v: Any) -> bool:
-    return (type(v) is int or type(v) is float) and math.isfinite(v)
-
-
-def _range_text(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
-    if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
-    return f"<= {hi:g}"
-
-
-def _int(v: Any, path: str, lo: int | None = None, hi: int | None = None) -> int:
-    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        what = "an integer" if lo is None and hi is None else f"an integer {_range_text(lo, hi)}"
-        raise _bad(path, what, v)
-    return v
-
-
-def _num(v: Any, path: str, lo: float, hi: float | None = None, lo_open: bool = False) -> float:
-    ok = _is_num(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
-    if not ok:
-        raise _bad(path, f"a number {_range_text(lo, hi, lo_open)}", v)
-    return float(v)
-
-
-def _bool(v: Any, path: str) -> bool:
-    if type(v) is not bool:
-        raise _bad(path, "a boolean", v)
-    return v
-
-
-def _str(v: Any, path: str, *, nonempty: bool = False) -> str:
-    if type(v) is not str or (nonempty and not v):
-        raise _bad(path, "a non-empty string" if nonempty else "a string", v)
-    return v
-
-
-def _obj(v: Any, path: str) -> dict[str, Any]:
-    if type(v) is not dict:
-        raise _bad(path, "an object", v)
-    return v
-
-
-def _empty(v: Any) -> bool:
-    """``null``, ``false``, ``""``, ``[]`` and ``{}`` all mean "not used"."""
-    return v is None or v is False or (isinstance(v, (str, list, dict)) and not v)
-
-
-def _load_object(body: bytes) -> dict[str, Any]:
-    try:
-        obj = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise ProtocolError(400, f"request body is not valid JSON: {e}") from None
-    if type(obj) is not dict:
-        raise ProtocolError(400, f"request body must be a JSON object (got {_show(obj)})")
-    return obj
-
-
-def _int_list(v: Any, path: str) -> list[int]:
-    """A list of token ids (ints >= 0); the per-element loop runs only to name a bad one."""
-    if type(v) is not list:
-        raise _bad(path, "a list of token ids", v)
-    if v and (set(map(type, v)) != {int} or min(v) < 0):
-        for i, x in enumerate(v):
-            _int(x, f"{path}[{i}]", lo=0)
-    return v
-
-
-def _stop(v: Any, path: str, limits: Limits) -> tuple[str, ...]:
-    stops = [v] if type(v) is str else v
-    if type(stops) is not list:
-        raise _bad(path, "a string or a list of strings", v)
-    if len(stops) > limits.max_stop:
-        raise ProtocolError(
-            400, f"{path} has {len(stops)} entries; at most {limits.max_stop} are allowed", path
-        )
-    for i, s in enumerate(stops):
-        _str(s, path if type(v) is str else f"{path}[{i}]", nonempty=True)
-    return tuple(stops)
-
-
 # ---- sampling parameters: the keys both wire formats share ----------------------------------
 # (each parser adds its own: requests_sglang's sampling_params, requests_openai's top level)
-
-_CONSTRAINED = "constrained decoding is not supported by this server"
-
-
-def _v_max_new(v: Any, path: str, limits: Limits) -> int:
-    n = _int(v, path, lo=0)
-    if n > limits.new_tokens_cap:
-        raise ProtocolError(400, f"{path} must be <= {limits.new_tokens_cap} (got {n})", path)
-    return n
-
-
-def _v_top_k(v: Any, path: str, limits: Limits) -> int:
-    if not _is_int(v) or (v < 1 and v not in (-1, 0)):
-        raise _bad(path, "-1 or 0 (disabled) or an integer >= 1", v)
-    return -1 if v == 0 else v
-
-
-def _v_n(v: Any, path: str, limits: Limits) -> int:
-    return _int(v, path, 1, limits.max_n)
-
-
-def _v_null_only(v: Any, path: str, limits: Limits) -> None:
-    if not _empty(v):
-        raise _unsupported(path)
 
 
 @dataclass(frozen=True)
@@ -276,109 +162,41 @@ def sim_refusal(path: str, why: str) -> ProtocolError:
     return ProtocolError(400, f"{path}: {why} is not possible {SIM_ONLY}", path)
 
 
-@dataclass(frozen=True)
-class _Pass:
-    """A key passed through untouched to an engine with ``EngineFeatures.passthrough``,
-    refused on the others with ``why`` when it is set; ``check`` validates its value first."""
+CONSTRAINED_WHY = "constrained decoding"
 
-    why: str
-    check: Any = None
-
-
-def _any_v(v: Any, path: str, limits: Limits) -> Any:
-    return v
-
-
-def _str_v(v: Any, path: str, limits: Limits) -> str:
-    return _str(v, path)
-
-
-def _obj_v(v: Any, path: str, limits: Limits) -> dict[str, Any]:
-    return _obj(v, path)
-
-
-def _str_or_list_v(v: Any, path: str, limits: Limits) -> Any:
-    if type(v) is str:
-        return v
-    if type(v) is not list or any(type(x) is not str for x in v):
-        raise _bad(path, "a string or a list of strings", v)
-    return v
-
-
-def _str_list_v(v: Any, path: str, limits: Limits) -> list[str]:
-    if type(v) is not list or any(type(x) is not str for x in v):
-        raise _bad(path, "a list of strings", v)
-    return v
-
-
-def _str_or_obj_v(v: Any, path: str, limits: Limits) -> Any:
-    if type(v) not in (str, dict):
-        raise _bad(path, "a string or an object", v)
-    return v
-
-
-def _v_stream_interval(v: Any, path: str, limits: Limits) -> int:
-    return _int(v, path, lo=1)
-
-
-def _num_v(lo: float, hi: float | None, lo_open: bool = False):
-    return lambda v, path, limits: _num(v, path, lo, hi, lo_open)
-
-
-def _int_v(lo: int | None = None, hi: int | None = None):
-    return lambda v, path, limits: _int(v, path, lo, hi)
-
-
-def _bool_v(v: Any, path: str, limits: Limits) -> bool:
-    return _bool(v, path)
-
-
-def _stop_v(v: Any, path: str, limits: Limits) -> tuple[str, ...]:
-    return _stop(v, path, limits)
-
-
-def _ids_v(v: Any, path: str, limits: Limits) -> tuple[int, ...]:
-    return tuple(_int_list(v, path))
-
-
-# wire key -> (SamplingParams field or None to drop, validator(value, path, limits)),
-# or a _Pass: passed through to SGLang, refused on the simulated engine.
-_Fields = dict[str, Any]
-_CONSTRAINED_WHY = "constrained decoding"
-
-_COMMON_SAMPLING: _Fields = {
-    "top_p": ("top_p", _num_v(0, 1, lo_open=True)),
-    "top_k": ("top_k", _v_top_k),
-    "min_p": ("min_p", _num_v(0, 1)),
-    "frequency_penalty": ("frequency_penalty", _num_v(-2, 2)),
-    "presence_penalty": ("presence_penalty", _num_v(-2, 2)),
-    "repetition_penalty": ("repetition_penalty", _num_v(0, 2, lo_open=True)),
-    "stop": ("stop", _stop_v),
-    "stop_token_ids": ("stop_token_ids", _ids_v),
-    "ignore_eos": ("ignore_eos", _bool_v),
-    "skip_special_tokens": ("skip_special_tokens", _bool_v),
-    "spaces_between_special_tokens": ("spaces_between_special_tokens", _bool_v),
-    "no_stop_trim": ("no_stop_trim", _bool_v),
-    "n": ("n", _v_n),
-    "json_schema": _Pass(_CONSTRAINED_WHY, _str_or_obj_v),
-    "regex": _Pass(_CONSTRAINED_WHY, _str_v),
-    "ebnf": _Pass(_CONSTRAINED_WHY, _str_v),
-    "structural_tag": _Pass(_CONSTRAINED_WHY, _str_or_obj_v),
-    "stop_regex": _Pass("stopping on a regular expression", _str_or_list_v),
-    "logit_bias": _Pass("logit_bias (the simulated engine has no logits)", _obj_v),
+COMMON_SAMPLING: FieldTable = {
+    "top_p": ("top_p", v_num(0, 1, lo_open=True)),
+    "top_k": ("top_k", v_top_k),
+    "min_p": ("min_p", v_num(0, 1)),
+    "frequency_penalty": ("frequency_penalty", v_num(-2, 2)),
+    "presence_penalty": ("presence_penalty", v_num(-2, 2)),
+    "repetition_penalty": ("repetition_penalty", v_num(0, 2, lo_open=True)),
+    "stop": ("stop", v_stop),
+    "stop_token_ids": ("stop_token_ids", v_ids),
+    "ignore_eos": ("ignore_eos", v_bool),
+    "skip_special_tokens": ("skip_special_tokens", v_bool),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens", v_bool),
+    "no_stop_trim": ("no_stop_trim", v_bool),
+    "n": ("n", v_n),
+    "json_schema": PassThrough(CONSTRAINED_WHY, v_str_or_obj),
+    "regex": PassThrough(CONSTRAINED_WHY, v_str),
+    "ebnf": PassThrough(CONSTRAINED_WHY, v_str),
+    "structural_tag": PassThrough(CONSTRAINED_WHY, v_str_or_obj),
+    "stop_regex": PassThrough("stopping on a regular expression", v_str_or_list),
+    "logit_bias": PassThrough("logit_bias (the simulated engine has no logits)", v_obj),
 }
 
 
-def _sampling_from(
+def sampling_from(
     obj: Mapping[str, Any],
-    table: _Fields,
+    table: FieldTable,
     prefix: str,
     limits: Limits,
     features: EngineFeatures = NO_PASSTHROUGH,
     **defaults: Any,
 ) -> SamplingParams:
     """Validate the keys of ``obj`` found in ``table``; unknown keys are the caller's job.
-    ``_Pass`` keys go to ``engine_extra`` when ``features.passthrough``; otherwise they are
+    ``PassThrough`` keys go to ``engine_extra`` when ``features.passthrough``; otherwise they are
     refused when set (``false``/``null``/empty mean not set)."""
     values: dict[str, Any] = dict(defaults)
     extra: dict[str, Any] = {}
@@ -386,10 +204,10 @@ def _sampling_from(
         spec = table.get(key)
         if spec is None or value is None:
             continue
-        if isinstance(spec, _Pass):
+        if isinstance(spec, PassThrough):
             if spec.check is not None:
                 spec.check(value, prefix + key, limits)
-            if _empty(value):
+            if is_empty(value):
                 continue
             if not features.passthrough:
                 raise sim_refusal(prefix + key, spec.why)
@@ -416,7 +234,7 @@ def _sampling_from(
 # ---- prompts and stream options: the same shapes on every endpoint --------------------------
 
 
-def _prompts(
+def parse_prompts(
     v: Any, path: str, limits: Limits, *, allow_text: bool, allow_ids: bool
 ) -> tuple[list[str] | list[list[int]], bool, bool]:
     """``(prompts, are_ids, is_batch)`` from a ``text``/``input_ids``/``prompt`` value."""
@@ -430,28 +248,30 @@ def _prompts(
             kinds += ["a string", "a list of strings"]
         if allow_ids:
             kinds += ["a list of token ids", "a list of token-id lists"]
-        raise _bad(path, " or ".join([", ".join(kinds[:-1]), kinds[-1]]), v)
+        raise bad_value(path, " or ".join([", ".join(kinds[:-1]), kinds[-1]]), v)
     if not v:
         raise ProtocolError(400, f"{path}: prompt is empty", path)
     first = v[0]
     if allow_text and type(first) is str:
         for i, s in enumerate(v):
             if type(s) is not str:
-                raise _bad(f"{path}[{i}]", "a string", s)
+                raise bad_value(f"{path}[{i}]", "a string", s)
             if not s:
                 raise ProtocolError(400, f"{path}[{i}]: prompt is empty", f"{path}[{i}]")
         prompts: list[Any] = v
         are_ids, batch = False, True
     elif allow_ids and type(first) is list:
         for i, ids in enumerate(v):
-            _int_list(ids, f"{path}[{i}]")
+            check_int_list(ids, f"{path}[{i}]")
             if not ids:
                 raise ProtocolError(400, f"{path}[{i}]: prompt is empty", f"{path}[{i}]")
         prompts, are_ids, batch = v, True, True
-    elif allow_ids and _is_int(first):
-        prompts, are_ids, batch = [_int_list(v, path)], True, False
+    elif allow_ids and is_int(first):
+        prompts, are_ids, batch = [check_int_list(v, path)], True, False
     else:
-        raise _bad(f"{path}[0]", "a string" if not allow_ids else "a token id or a list", first)
+        raise bad_value(
+            f"{path}[0]", "a string" if not allow_ids else "a token id or a list", first
+        )
     if len(prompts) > limits.max_batch:
         raise ProtocolError(
             400,
@@ -461,16 +281,16 @@ def _prompts(
     return prompts, are_ids, batch
 
 
-def _include_usage(obj: Mapping[str, Any]) -> bool:
+def include_usage(obj: Mapping[str, Any]) -> bool:
     opts = obj.get("stream_options")
     if opts is None:
         return False
-    opts = _obj(opts, "stream_options")
+    opts = check_obj(opts, "stream_options")
     for key, value in opts.items():
         if key not in ("include_usage", "continuous_usage_stats"):
             raise ProtocolError(400, f"unknown field stream_options.{key}", f"stream_options.{key}")
         if value is not None:
-            _bool(value, f"stream_options.{key}")
+            check_bool(value, f"stream_options.{key}")
     return bool(opts.get("include_usage"))
 
 

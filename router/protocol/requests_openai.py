@@ -16,33 +16,35 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from sgl_fair.router.protocol.errors import ProtocolError
+from sgl_fair.router.protocol.fields import (
+    FieldTable,
+    bad_value,
+    check_bool,
+    check_int,
+    check_obj,
+    check_str,
+    is_empty,
+    is_int,
+    load_object,
+    unsupported,
+    v_int,
+    v_max_new,
+    v_num,
+)
 from sgl_fair.router.protocol.requests_common import (
-    _COMMON_SAMPLING,
+    COMMON_SAMPLING,
     DEFAULT_LIMITS,
     NO_PASSTHROUGH,
     EngineFeatures,
     GenItem,
     Limits,
     SamplingParams,
-    _bad,
-    _bool,
-    _empty,
-    _Fields,
-    _include_usage,
-    _int,
-    _int_v,
-    _is_int,
-    _load_object,
-    _num_v,
-    _obj,
-    _prompts,
-    _sampling_from,
-    _str,
-    _unsupported,
-    _v_max_new,
+    include_usage,
+    parse_prompts,
+    sampling_from,
     sim_refusal,
 )
-from sgl_fair.router.protocol.requests_sglang import _NOT_RELAYED
+from sgl_fair.router.protocol.requests_sglang import NOT_RELAYED
 from sgl_fair.router.protocol.scheduling import SCHEDULING_FIELDS, parse_hints
 from sgl_fair.router.tokenizer import ChatTemplateError
 
@@ -86,12 +88,12 @@ class ChatRequest:
 
 
 # Top-level sampling keys of the OpenAI endpoints (SGLang's extensions included).
-_OPENAI_SAMPLING: _Fields = {
-    **_COMMON_SAMPLING,
-    "max_tokens": ("max_new_tokens", _v_max_new),
-    "min_tokens": ("min_new_tokens", _int_v(lo=0)),
-    "temperature": ("temperature", _num_v(0, 2)),
-    "seed": ("seed", _int_v()),
+_OPENAI_SAMPLING: FieldTable = {
+    **COMMON_SAMPLING,
+    "max_tokens": ("max_new_tokens", v_max_new),
+    "min_tokens": ("min_new_tokens", v_int(lo=0)),
+    "temperature": ("temperature", v_num(0, 2)),
+    "seed": ("seed", v_int()),
 }
 
 
@@ -104,36 +106,36 @@ def _openai_common(
     model = obj.get("model")
     if model is None:
         raise ProtocolError(400, "model is required", "model")
-    _str(model, "model")
+    check_str(model, "model")
     extra: dict[str, Any] = {}
     for key, why in _OPENAI_SIM_REFUSED.items():
         v = obj.get(key)
-        if _empty(v):
+        if is_empty(v):
             continue
         if not features.passthrough:
             raise sim_refusal(key, why)
         extra[key] = v
     for key in ("return_hidden_states", "return_routed_experts"):
-        if not _empty(obj.get(key)):
-            raise ProtocolError(400, f"{key} {_NOT_RELAYED}", key)
+        if not is_empty(obj.get(key)):
+            raise ProtocolError(400, f"{key} {NOT_RELAYED}", key)
     for key, check in _OPENAI_HARMLESS.items():
         if obj.get(key) is not None:
             check(obj[key], key)
-    sampling = _sampling_from(obj, _OPENAI_SAMPLING, "", limits, features, **defaults)
+    sampling = sampling_from(obj, _OPENAI_SAMPLING, "", limits, features, **defaults)
     stream = obj.get("stream")
-    stream = False if stream is None else _bool(stream, "stream")
+    stream = False if stream is None else check_bool(stream, "stream")
     user = obj.get("user")
     if user is not None:
-        _str(user, "user")
+        check_str(user, "user")
     return model, sampling, stream, user, extra or None
 
 
 _OPENAI_HARMLESS: dict[str, Any] = {
-    "user": _str,
-    "routing_key": _str,
-    "rid": lambda v, p: _str(v, p, nonempty=True),
-    "priority": _int,
-    "stream_options": _obj,
+    "user": check_str,
+    "routing_key": check_str,
+    "rid": lambda v, p: check_str(v, p, nonempty=True),
+    "priority": check_int,
+    "stream_options": check_obj,
 }
 # SGLang's extensions passed through to its /generate on --backend sglang; refused on the
 # simulated engine when set.
@@ -193,11 +195,11 @@ def parse_completion(
     (``ignore_eos``, ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``,
     ``stop_token_ids``, ``routing_key``, ``rid``, ...) are accepted.
     """
-    obj = _load_object(body)
+    obj = load_object(body)
     model, sampling, stream, user, extra = _openai_common(obj, limits, features, max_new_tokens=16)
     if "prompt" not in obj or obj["prompt"] is None:
         raise ProtocolError(400, "prompt is required", "prompt")
-    prompts, are_ids, is_batch = _prompts(
+    prompts, are_ids, is_batch = parse_prompts(
         obj["prompt"], "prompt", limits, allow_text=True, allow_ids=True
     )
     if stream and is_batch:
@@ -207,17 +209,17 @@ def parse_completion(
             "stream",
         )
     if obj.get("suffix") not in (None, ""):
-        raise _unsupported("suffix")
+        raise unsupported("suffix")
     best_of = obj.get("best_of")
-    if best_of is not None and (not _is_int(best_of) or best_of != sampling.n):
+    if best_of is not None and (not is_int(best_of) or best_of != sampling.n):
         raise ProtocolError(
             400, f"best_of must equal n ({sampling.n}): every sample is returned", "best_of"
         )
     echo = obj.get("echo")
-    echo = False if echo is None else _bool(echo, "echo")
+    echo = False if echo is None else check_bool(echo, "echo")
     logprobs = obj.get("logprobs")
     if logprobs is not None:
-        logprobs = _int(logprobs, "logprobs", 0, 5)
+        logprobs = check_int(logprobs, "logprobs", 0, 5)
     rid = obj.get("rid")
     if rid is not None and is_batch:
         raise ProtocolError(400, "rid cannot be given for a batch of prompts", "rid")
@@ -243,7 +245,7 @@ def parse_completion(
         items=items,
         is_batch=is_batch,
         stream=stream,
-        include_usage=_include_usage(obj),
+        include_usage=include_usage(obj),
         echo=echo,
         logprobs=logprobs,
         user=user,
@@ -262,31 +264,31 @@ _MESSAGE_KEYS = (
 
 def _message(m: Any, i: int) -> dict[str, str]:
     path = f"messages[{i}]"
-    m = _obj(m, path)
+    m = check_obj(m, path)
     for key in m:
         if key not in _MESSAGE_KEYS:
             raise ProtocolError(400, f"unknown field {path}.{key}", f"{path}.{key}")
     role = m.get("role")
     if role not in _ROLES:
-        raise _bad(f"{path}.role", "one of " + ", ".join(_ROLES), role)
+        raise bad_value(f"{path}.role", "one of " + ", ".join(_ROLES), role)
     for key in ("tool_calls", "function_call"):
-        if not _empty(m.get(key)):
+        if not is_empty(m.get(key)):
             raise ProtocolError(
                 400, f"{path}.{key}: tool calls are not supported by this server", f"{path}.{key}"
             )
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
-            _str(m[key], f"{path}.{key}")
+            check_str(m[key], f"{path}.{key}")
     if m.get("reasoning_content") is not None:
-        _str(m["reasoning_content"], f"{path}.reasoning_content")
+        check_str(m["reasoning_content"], f"{path}.reasoning_content")
     for key in ("annotations", "audio"):
-        if not _empty(m.get(key)):
-            raise _unsupported(f"{path}.{key}")
+        if not is_empty(m.get(key)):
+            raise unsupported(f"{path}.{key}")
     content = m.get("content")
     if type(content) is str:
         return {"role": role, "content": content}
     if type(content) is not list:
-        raise _bad(f"{path}.content", "a string or a list of text parts", content)
+        raise bad_value(f"{path}.content", "a string or a list of text parts", content)
     if not content:  # OpenAI refuses an empty parts list too
         raise ProtocolError(
             400, f"{path}.content is an empty list: give a string or at least one text part",
@@ -295,17 +297,17 @@ def _message(m: Any, i: int) -> dict[str, str]:
     texts = []
     for j, part in enumerate(content):
         ppath = f"{path}.content[{j}]"
-        part = _obj(part, ppath)
+        part = check_obj(part, ppath)
         kind = part.get("type")
         if kind != "text":
             if type(kind) is not str:
-                raise _bad(f"{ppath}.type", '"text"', kind)
+                raise bad_value(f"{ppath}.type", '"text"', kind)
             raise ProtocolError(
                 400,
                 f"{ppath}.type {kind!r} is not supported by this server (text only)",
                 f"{ppath}.type",
             )
-        texts.append(_str(part.get("text"), f"{ppath}.text"))
+        texts.append(check_str(part.get("text"), f"{ppath}.text"))
     return {"role": role, "content": "\n".join(texts)}
 
 
@@ -321,16 +323,14 @@ def parse_chat(
     context by :func:`check_prompt_length`. Tools, function calls, JSON response formats,
     images and audio are refused with a 400 naming the field.
     """
-    obj = _load_object(body)
+    obj = load_object(body)
     model, sampling, stream, user, extra = _openai_common(
         obj, limits, features, max_new_tokens=limits.new_tokens_cap
     )
     if obj.get("max_completion_tokens") is not None:
         sampling = replace(
             sampling,
-            max_new_tokens=_v_max_new(
-                obj["max_completion_tokens"], "max_completion_tokens", limits
-            ),
+            max_new_tokens=v_max_new(obj["max_completion_tokens"], "max_completion_tokens", limits),
         )
         if sampling.min_new_tokens > sampling.max_new_tokens:
             raise ProtocolError(400, "min_tokens must be <= max_completion_tokens", "min_tokens")
@@ -339,34 +339,34 @@ def parse_chat(
     if messages is None:
         raise ProtocolError(400, "messages is required", "messages")
     if type(messages) is not list or not messages:
-        raise _bad("messages", "a non-empty list of messages", messages)
+        raise bad_value("messages", "a non-empty list of messages", messages)
     normalized = [_message(m, i) for i, m in enumerate(messages)]
 
     sampling = _response_format(obj.get("response_format"), sampling, features)
     for key in ("tools", "functions"):
-        if not _empty(obj.get(key)):
+        if not is_empty(obj.get(key)):
             raise ProtocolError(400, f"{key}: tool calling is not supported by this server", key)
     for key in ("tool_choice", "function_call"):
         if obj.get(key) not in (None, "none"):
             raise ProtocolError(400, f"{key}: tool calling is not supported by this server", key)
     for key in ("audio", "prediction"):
-        if not _empty(obj.get(key)):
-            raise _unsupported(key)
+        if not is_empty(obj.get(key)):
+            raise unsupported(key)
     modalities = obj.get("modalities")
     if modalities is not None and modalities != ["text"]:
-        raise _bad("modalities", '["text"] (this server produces text only)', modalities)
+        raise bad_value("modalities", '["text"] (this server produces text only)', modalities)
     for key in ("parallel_tool_calls", "store", "separate_reasoning", "stream_reasoning"):
         if obj.get(key) is not None:
-            _bool(obj[key], key)
+            check_bool(obj[key], key)
     for key in ("service_tier", "reasoning_effort"):
         if obj.get(key) is not None:
-            _str(obj[key], key)
+            check_str(obj[key], key)
     if obj.get("metadata") is not None:
-        _obj(obj["metadata"], "metadata")
+        check_obj(obj["metadata"], "metadata")
     kwargs = obj.get("chat_template_kwargs")
-    template_kwargs = {} if kwargs is None else _obj(kwargs, "chat_template_kwargs")
+    template_kwargs = {} if kwargs is None else check_obj(kwargs, "chat_template_kwargs")
     cont = obj.get("continue_final_message")
-    cont = False if cont is None else _bool(cont, "continue_final_message")
+    cont = False if cont is None else check_bool(cont, "continue_final_message")
     if cont and normalized[-1]["role"] != "assistant":
         raise ProtocolError(
             400,
@@ -375,9 +375,9 @@ def parse_chat(
         )
 
     logprobs = obj.get("logprobs")
-    logprobs = False if logprobs is None else _bool(logprobs, "logprobs")
+    logprobs = False if logprobs is None else check_bool(logprobs, "logprobs")
     top = obj.get("top_logprobs")
-    top = 0 if top is None else _int(top, "top_logprobs", 0, limits.max_top_logprobs)
+    top = 0 if top is None else check_int(top, "top_logprobs", 0, limits.max_top_logprobs)
     if top and not logprobs:
         raise ProtocolError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -399,7 +399,7 @@ def parse_chat(
         messages=normalized,
         item=item,
         stream=stream,
-        include_usage=_include_usage(obj),
+        include_usage=include_usage(obj),
         logprobs=logprobs,
         top_logprobs=top,
         user=user,
@@ -414,18 +414,18 @@ def _response_format(rf: Any, sampling: SamplingParams, features: EngineFeatures
     on ``--backend sglang`` (as SGLang's OpenAI layer does) and are refused on the sim."""
     if rf is None:
         return sampling
-    kind = _obj(rf, "response_format").get("type")
+    kind = check_obj(rf, "response_format").get("type")
     if kind == "text":
         return sampling
     if kind not in ("json_object", "json_schema", "structural_tag"):
         kinds = '"text", "json_object", "json_schema" or "structural_tag"'
-        raise _bad("response_format.type", kinds, kind)
+        raise bad_value("response_format.type", kinds, kind)
     if not features.passthrough:
         raise sim_refusal("response_format", f"constrained decoding ({kind})")
     if kind == "json_object":
         extra = {"json_schema": '{"type": "object"}'}
     elif kind == "json_schema":
-        spec = _obj(rf.get("json_schema"), "response_format.json_schema")
+        spec = check_obj(rf.get("json_schema"), "response_format.json_schema")
         schema = spec.get("schema", spec.get("schema_", {}))
         extra = {"json_schema": msgspec.json.encode(schema).decode()}
     else:

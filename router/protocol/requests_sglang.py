@@ -17,35 +17,37 @@ from typing import Any
 
 from sgl_fair.request import SLO_PARAM
 from sgl_fair.router.protocol.errors import ProtocolError
+from sgl_fair.router.protocol.fields import (
+    FieldTable,
+    PassThrough,
+    bad_value,
+    check_bool,
+    check_int,
+    check_obj,
+    check_str,
+    is_empty,
+    load_object,
+    v_int,
+    v_max_new,
+    v_num,
+    v_obj,
+    v_str_list,
+    v_stream_interval,
+)
 from sgl_fair.router.protocol.requests_common import (
-    _COMMON_SAMPLING,
+    COMMON_SAMPLING,
     DEFAULT_LIMITS,
     NO_PASSTHROUGH,
     EngineFeatures,
     GenItem,
     Limits,
     SamplingParams,
-    _bad,
-    _bool,
-    _empty,
-    _Fields,
-    _include_usage,
-    _int,
-    _int_v,
-    _load_object,
-    _num_v,
-    _obj,
-    _obj_v,
-    _Pass,
-    _prompts,
-    _sampling_from,
-    _str,
-    _str_list_v,
-    _v_max_new,
-    _v_stream_interval,
+    include_usage,
+    parse_prompts,
+    sampling_from,
     sim_refusal,
 )
-from sgl_fair.router.protocol.scheduling import SCHEDULING_FIELDS, Hints, _slo, parse_hints
+from sgl_fair.router.protocol.scheduling import SCHEDULING_FIELDS, Hints, check_slo, parse_hints
 
 
 @dataclass(slots=True)
@@ -62,17 +64,17 @@ class GenerateRequest:
 
 
 # SGLang's sampling_params object (POST /generate).
-_NATIVE_SAMPLING: _Fields = {
-    **_COMMON_SAMPLING,
-    "max_new_tokens": ("max_new_tokens", _v_max_new),
-    "min_new_tokens": ("min_new_tokens", _int_v(lo=0)),
-    "temperature": ("temperature", _num_v(0, 100)),
-    "sampling_seed": ("seed", _int_v()),
-    "stream_interval": ("stream_interval", _v_stream_interval),
-    "custom_params": _Pass("custom_params (for a custom logit processor)", _obj_v),
-    "beam_width": _Pass("beam search", _int_v(lo=1)),
-    "watermark": _Pass("watermarking (it changes the sampler)", _obj_v),
-    "choice": _Pass("constrained decoding (choice)", _str_list_v),
+_NATIVE_SAMPLING: FieldTable = {
+    **COMMON_SAMPLING,
+    "max_new_tokens": ("max_new_tokens", v_max_new),
+    "min_new_tokens": ("min_new_tokens", v_int(lo=0)),
+    "temperature": ("temperature", v_num(0, 100)),
+    "sampling_seed": ("seed", v_int()),
+    "stream_interval": ("stream_interval", v_stream_interval),
+    "custom_params": PassThrough("custom_params (for a custom logit processor)", v_obj),
+    "beam_width": PassThrough("beam search", v_int(lo=1)),
+    "watermark": PassThrough("watermarking (it changes the sampler)", v_obj),
+    "choice": PassThrough("constrained decoding (choice)", v_str_list),
 }
 
 
@@ -85,8 +87,8 @@ def _take_slo(v: Any, path: str) -> tuple[Any, tuple[float, float] | None]:
     where = f"{path}.custom_params.{SLO_PARAM}"
     value = params[SLO_PARAM]
     if not isinstance(value, list) or len(value) != 2:
-        raise _bad(where, "[ttft_slo_s, tpot_slo_s]", value)
-    slo = (_slo(value[0], where + "[0]"), _slo(value[1], where + "[1]"))
+        raise bad_value(where, "[ttft_slo_s, tpot_slo_s]", value)
+    slo = (check_slo(value[0], where + "[0]"), check_slo(value[1], where + "[1]"))
     rest = {k: x for k, x in params.items() if k != SLO_PARAM}
     v = {k: x for k, x in v.items() if k != "custom_params"}
     if rest:
@@ -107,11 +109,11 @@ def _with_slo(hints: Hints | None, slo: tuple[float, float] | None) -> Hints | N
 
 
 def _native_sampling(v: Any, path: str, limits: Limits, features: EngineFeatures) -> SamplingParams:
-    sp = _obj(v, path)
+    sp = check_obj(v, path)
     for key in sp:
         if key not in _NATIVE_SAMPLING:
             raise ProtocolError(400, f"unknown field {path}.{key}", f"{path}.{key}")
-    params = _sampling_from(sp, _NATIVE_SAMPLING, path + ".", limits, features)
+    params = sampling_from(sp, _NATIVE_SAMPLING, path + ".", limits, features)
     if params.n > 1 and params.engine_extra and "beam_width" in params.engine_extra:
         raise ProtocolError(400, f"{path}.n: give n or beam_width, not both", f"{path}.n")
     return params
@@ -142,14 +144,14 @@ _GENERATE_OWN = frozenset(
 
 
 def _opt_int(v: Any, path: str) -> Any:
-    return _int(v, path)
+    return check_int(v, path)
 
 
 def _str_or_list(v: Any, path: str) -> Any:
     if type(v) is str:
         return v
     if type(v) is not list or any(x is not None and type(x) is not str for x in v):
-        raise _bad(path, "a string or a list of strings", v)
+        raise bad_value(path, "a string or a list of strings", v)
     return v
 
 
@@ -160,25 +162,25 @@ def _any(v: Any, path: str) -> Any:
 # Accepted, and changes nothing here: logging and tracing, the engine's internal
 # bookkeeping, data-parallel placement (our router places requests), hints. Value checked.
 _GENERATE_IGNORED: dict[str, Any] = {
-    "log_metrics": _bool,
-    "no_logs": _bool,
-    "priority": _int,
-    "custom_labels": _obj,
+    "log_metrics": check_bool,
+    "no_logs": check_bool,
+    "priority": check_int,
+    "custom_labels": check_obj,
     "data_parallel_rank": _opt_int,
     "routed_dp_rank": _opt_int,
     "disagg_prefill_dp_rank": _opt_int,
-    "session_id": _str,
-    "conversation_id": _str,
-    "background": _bool,
-    "http_worker_ipc": _str,
+    "session_id": check_str,
+    "conversation_id": check_str,
+    "background": check_bool,
+    "http_worker_ipc": check_str,
     "received_time": _any,
-    "external_trace_header": _obj,
-    "need_wait_for_mm_inputs": _bool,
+    "external_trace_header": check_obj,
+    "need_wait_for_mm_inputs": check_bool,
     "num_items_assigned": _any,
     "kv_hints": _any,
-    "require_reasoning": _bool,
-    "max_thinking_tokens": lambda v, p: _int(v, p, lo=0),
-    "routed_experts_start_len": lambda v, p: _int(v, p, lo=0),
+    "require_reasoning": check_bool,
+    "max_thinking_tokens": lambda v, p: check_int(v, p, lo=0),
+    "routed_experts_start_len": lambda v, p: check_int(v, p, lo=0),
 }
 # Passed through to SGLang on --backend sglang; on the simulated engine accepted with no
 # effect (they only partition a prefix cache or pin a disaggregated peer).
@@ -189,7 +191,7 @@ _GENERATE_FORWARD: dict[str, Any] = {
 }
 # Passed through to SGLang on --backend sglang; on the simulated engine refused when set
 # (anything but null/false/empty), with the reason.
-_GENERATE_SIM_REFUSED: dict[str, str] = {
+GENERATE_SIM_REFUSED: dict[str, str] = {
     "image_data": "image input (the simulated engine is a text model)",
     "video_data": "video input (the simulated engine is a text model)",
     "audio_data": "audio input (the simulated engine is a text model)",
@@ -222,11 +224,11 @@ _GENERATE_SIM_REFUSED: dict[str, str] = {
 # Refused on every backend, set: the router must see the prompt's tokens to route and count
 # it, and it relays SGLang's tokens, text, logprobs and finish reason, not the engine's
 # internals (a pass-through would silently drop what they ask for).
-_NOT_RELAYED = (
+NOT_RELAYED = (
     "is not supported by this server: it relays SGLang's tokens, text and logprobs, not the "
     "engine's internals"
 )
-_GENERATE_REFUSED = {
+GENERATE_REFUSED = {
     "input_embeds": "is not supported by this server: the router needs the prompt's tokens",
     **dict.fromkeys(
         [
@@ -241,7 +243,7 @@ _GENERATE_REFUSED = {
             "return_flat_raw_output_top_logprobs",
             "return_flat_raw_top_logprobs_b64",
         ],
-        _NOT_RELAYED,
+        NOT_RELAYED,
     ),
 }
 
@@ -251,8 +253,8 @@ GENERATE_FIELDS = frozenset(
         *_GENERATE_OWN,
         *_GENERATE_IGNORED,
         *_GENERATE_FORWARD,
-        *_GENERATE_SIM_REFUSED,
-        *_GENERATE_REFUSED,
+        *GENERATE_SIM_REFUSED,
+        *GENERATE_REFUSED,
         *SCHEDULING_FIELDS,
     }
 )
@@ -286,9 +288,9 @@ def _passthrough(
 ) -> list[dict[str, Any] | None]:
     """The top-level fields each prompt passes through to the engine (``features``
     ``passthrough``: SGLang); without passthrough, a 400 for any that cannot be honoured."""
-    for key, why in _GENERATE_REFUSED.items():
+    for key, why in GENERATE_REFUSED.items():
         v = obj.get(key)
-        if not _empty(v) and not (type(v) is list and all(_empty(x) for x in v)):
+        if not is_empty(v) and not (type(v) is list and all(is_empty(x) for x in v)):
             raise ProtocolError(400, f"{key} {why}", key)
     for key, check in _GENERATE_IGNORED.items():
         if obj.get(key) is not None:
@@ -297,17 +299,17 @@ def _passthrough(
         if obj.get(key) is not None:
             check(obj[key], key)
     if not features.passthrough:
-        for key, why in _GENERATE_SIM_REFUSED.items():
+        for key, why in GENERATE_SIM_REFUSED.items():
             v = obj.get(key)
             if key == "modalities" and v in (["text"], ("text",)):
                 continue  # text only: what the simulated engine is
-            if not _empty(v) and not (type(v) is list and all(_empty(x) for x in v)):
+            if not is_empty(v) and not (type(v) is list and all(is_empty(x) for x in v)):
                 raise sim_refusal(key, why)
         return [None] * n
     out: list[dict[str, Any]] = [{} for _ in range(n)]
-    for key in (*_GENERATE_FORWARD, *_GENERATE_SIM_REFUSED):
+    for key in (*_GENERATE_FORWARD, *GENERATE_SIM_REFUSED):
         v = obj.get(key)
-        if _empty(v):
+        if is_empty(v):
             continue
         if is_batch and key in _PER_PROMPT and type(v) is list and len(v) == n:
             for i in range(n):
@@ -350,7 +352,7 @@ def parse_generate(
     ``passthrough`` (SGLang: ``GenItem.extra``, ``SamplingParams.engine_extra``) and refused
     otherwise. ``sampling_params.n`` > 1 asks for that many samples of each prompt.
     """
-    obj = _load_object(body)
+    obj = load_object(body)
 
     text, input_ids = obj.get("text"), obj.get("input_ids")
     if text is None and input_ids is None:
@@ -358,17 +360,17 @@ def parse_generate(
     if text is not None and input_ids is not None:
         raise ProtocolError(400, "give either text or input_ids, not both", "input_ids")
     if text is not None:
-        prompts, are_ids, is_batch = _prompts(
+        prompts, are_ids, is_batch = parse_prompts(
             text, "text", limits, allow_text=True, allow_ids=False
         )
     else:
-        prompts, are_ids, is_batch = _prompts(
+        prompts, are_ids, is_batch = parse_prompts(
             input_ids, "input_ids", limits, allow_text=False, allow_ids=True
         )
     n = len(prompts)
 
     stream = obj.get("stream")
-    stream = False if stream is None else _bool(stream, "stream")
+    stream = False if stream is None else check_bool(stream, "stream")
     if stream and is_batch:
         raise ProtocolError(
             400,
@@ -394,30 +396,30 @@ def parse_generate(
         v = obj.get(key)
         return [default] * n if v is None else _per_item(v, key, n, is_batch, check)
 
-    return_logprob = opt("return_logprob", False, _bool)
-    start_lens = opt("logprob_start_len", -1, lambda v, p: _int(v, p, lo=-1))
-    top_nums = opt("top_logprobs_num", 0, lambda v, p: _int(v, p, 0, limits.max_top_logprobs))
+    return_logprob = opt("return_logprob", False, check_bool)
+    start_lens = opt("logprob_start_len", -1, lambda v, p: check_int(v, p, lo=-1))
+    top_nums = opt("top_logprobs_num", 0, lambda v, p: check_int(v, p, 0, limits.max_top_logprobs))
     text_in_lp = obj.get("return_text_in_logprobs")
-    text_in_lp = False if text_in_lp is None else _bool(text_in_lp, "return_text_in_logprobs")
+    text_in_lp = False if text_in_lp is None else check_bool(text_in_lp, "return_text_in_logprobs")
     prompt_ids = obj.get("return_prompt_token_ids")
-    prompt_ids = False if prompt_ids is None else _bool(prompt_ids, "return_prompt_token_ids")
+    prompt_ids = False if prompt_ids is None else check_bool(prompt_ids, "return_prompt_token_ids")
 
     rid = obj.get("rid")
     if rid is None:
         rids: list[str | None] = [None] * n
     elif is_batch:
         if type(rid) is not list or len(rid) != n:
-            raise _bad("rid", f"a list of {n} strings (one per prompt)", rid)
-        rids = [_str(r, f"rid[{i}]", nonempty=True) for i, r in enumerate(rid)]
+            raise bad_value("rid", f"a list of {n} strings (one per prompt)", rid)
+        rids = [check_str(r, f"rid[{i}]", nonempty=True) for i, r in enumerate(rid)]
         if len(set(rids)) != n:
             raise ProtocolError(400, "rid has duplicate entries", "rid")
     else:
-        rids = [_str(rid, "rid", nonempty=True)]
+        rids = [check_str(rid, "rid", nonempty=True)]
     routing_key = obj.get("routing_key")
     if routing_key is not None:
-        _str(routing_key, "routing_key")
+        check_str(routing_key, "routing_key")
     if obj.get("stream_options") is not None:
-        _obj(obj["stream_options"], "stream_options")
+        check_obj(obj["stream_options"], "stream_options")
     hints = parse_hints(obj)
 
     items = [
@@ -441,7 +443,7 @@ def parse_generate(
         items=items,
         is_batch=is_batch,
         stream=stream,
-        include_usage=_include_usage(obj),
+        include_usage=include_usage(obj),
         priority=obj.get("priority"),
         custom_labels=obj.get("custom_labels"),
     )

@@ -38,7 +38,11 @@ from sgl_fair.request import (
     valid_slo,
 )
 from sgl_fair.router.protocol.errors import ProtocolError
-from sgl_fair.router.protocol.requests_common import _bad, _int, _range_text
+from sgl_fair.router.protocol.fields import (
+    bad_value,
+    check_int,
+    range_text,
+)
 
 PRIORITY_CLASSES = tuple(c.value for c in ServiceClass)  # ("rt", "be")
 MAX_INTERACTION_ID_LEN = 256
@@ -100,31 +104,31 @@ class Scheduling:
 
 def _class(v: Any, path: str) -> str:
     if type(v) is not str or v.lower() not in PRIORITY_CLASSES:
-        raise _bad(path, '"rt" or "be"', v)
+        raise bad_value(path, '"rt" or "be"', v)
     return v.lower()
 
 
 def _label(v: Any, path: str, max_len: int) -> str:
     """A non-empty printable string of at most ``max_len`` characters."""
     if type(v) is not str or not 1 <= len(v) <= max_len or not v.isprintable():
-        raise _bad(path, f"a non-empty printable string of at most {max_len} characters", v)
+        raise bad_value(path, f"a non-empty printable string of at most {max_len} characters", v)
     return v
 
 
-def _slo(v: Any, path: str) -> float:
+def check_slo(v: Any, path: str) -> float:
     if not valid_slo(v):  # the core's contract, shared with the SGLang plugin
-        raise _bad(path, f"a number {_range_text(0.0, MAX_SLO_S, lo_open=True)}", v)
+        raise bad_value(path, f"a number {range_text(0.0, MAX_SLO_S, lo_open=True)}", v)
     return float(v)
 
 
 _CHECKS = {
     "priority_class": _class,
-    "ttft_slo_s": _slo,
-    "tpot_slo_s": _slo,
+    "ttft_slo_s": check_slo,
+    "tpot_slo_s": check_slo,
     "interaction_id": lambda v, p: _label(v, p, MAX_INTERACTION_ID_LEN),
     "app": lambda v, p: _label(v, p, MAX_APP_LEN),
-    "stage": lambda v, p: _int(v, p, 0, MAX_STAGE),
-    "system_len": lambda v, p: _int(v, p, 0, MAX_SYSTEM_LEN),
+    "stage": lambda v, p: check_int(v, p, 0, MAX_STAGE),
+    "system_len": lambda v, p: check_int(v, p, 0, MAX_SYSTEM_LEN),
 }
 
 
@@ -139,7 +143,7 @@ def parse_hints(obj: Mapping[str, Any]) -> Hints | None:
             values[key] = check(v, key)
     priority = obj.get("priority")
     if priority is not None:
-        values["priority"] = _int(priority, "priority")
+        values["priority"] = check_int(priority, "priority")
     return Hints(**values) if values else None
 
 
@@ -154,8 +158,8 @@ def _from_header(headers: Mapping[str, str], key: str) -> Any:
         if key in ("stage", "system_len"):
             top = MAX_STAGE if key == "stage" else MAX_SYSTEM_LEN
             if not re.fullmatch(r"[0-9]{1,8}", raw):
-                raise _bad(f"{shown} header", f"an integer in [0, {top}]", raw)
-            return _int(int(raw), f"{shown} header", 0, top)
+                raise bad_value(f"{shown} header", f"an integer in [0, {top}]", raw)
+            return check_int(int(raw), f"{shown} header", 0, top)
         return _CHECKS[key](raw, f"{shown} header")
     except ProtocolError as e:
         e.param = shown  # the header's name, as a body field's error names the field

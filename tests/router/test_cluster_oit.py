@@ -78,7 +78,7 @@ def test_counts_aggregate_over_workers_the_router_throttles_at_the_limit():
         r = req(t=1.0 + i)
         for w in range(4):  # fresh reports: one request waits on every worker
             router.handle(Load(w, r.arrival_s, 1, 1, 900, 0, CAP), r.arrival_s)
-        rejection = router.admit(r, r.arrival_s)
+        rejection = router.throttle(r, r.arrival_s)
         got.append(rejection)
         if rejection is None:
             d = router.dispatch(r, r.arrival_s)
@@ -224,7 +224,7 @@ def test_the_refusal_is_the_workers_finished():
     assert fin.reason is FinishReason.REJECTED and fin.worker == -1 and not fin.ok
     assert (fin.rid, fin.error, fin.retry_after_s) == (r.rid, rej.reason, 12.5)
     assert P.throttle_of(fin.limit) == P.Throttle("user", 4, 60.0)
-    assert Router(make_router_policy("rr"), 2).admit(r, 0.0) is None  # no OIT: all admitted
+    assert Router(make_router_policy("rr"), 2).throttle(r, 0.0) is None  # no OIT: all admitted
 
 
 def test_router_tracks_load_receipt_and_forgets_dead_workers():
@@ -241,13 +241,13 @@ def test_finished_through_the_router_refreshes_the_interaction():
     router = Router(make_router_policy("rr"), 1, oit=ClusterOIT(
         max_waiting=0, interaction_timeout_s=10, limits={"user_limit": 0}))  # fmt: skip
     r = req(iid="agent-1", t=0.0)
-    assert router.admit(r, 0.0) is None
+    assert router.throttle(r, 0.0) is None
     d = router.dispatch(r, 0.0)
     fin = Finished(d.worker, 20.0, r.rid, r.client, FinishReason.LENGTH, r.input_ids, (5,))
     router.handle(fin, 20.0)
     router.handle(Load(0, 24.0, 1, 0, 0, 0, CAP), 24.0)  # overloaded now
-    assert router.admit(req(iid="agent-1", t=25.0), 25.0) is None  # 5 s after its finish
-    assert router.admit(req(iid="agent-2", t=25.0), 25.0) is not None
+    assert router.throttle(req(iid="agent-1", t=25.0), 25.0) is None  # 5 s after its finish
+    assert router.throttle(req(iid="agent-2", t=25.0), 25.0) is not None
 
 
 @pytest.mark.parametrize(
@@ -262,7 +262,7 @@ def test_bad_options_are_one_line_errors(opts):
 
 
 def test_the_cluster_simulator_records_router_refusals():
-    """simulate_cluster asks the router's ``admit`` first: a refused call is recorded rejected
+    """simulate_cluster asks the router's ``throttle`` first: a refused call is recorded rejected
     (with its limit) and never reaches a worker; a benign interaction runs to the end."""
     cap = 4
     router = Router(

@@ -24,9 +24,9 @@ from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
 
 from sgl_fair.router import protocol as P  # noqa: E402
 from sgl_fair.router.protocol.requests_sglang import (  # noqa: E402
-    _GENERATE_REFUSED,
-    _GENERATE_SIM_REFUSED,
     GENERATE_FIELDS,
+    GENERATE_REFUSED,
+    GENERATE_SIM_REFUSED,
     SAMPLING_FIELDS,
 )
 
@@ -146,7 +146,7 @@ def test_every_field_set_is_honoured_passed_through_or_refused_with_a_reason(fie
         body = {"input_ids": [1, 2, 3]}
     if field == "stream":
         body["stream"] = True
-    if field in _GENERATE_REFUSED:  # input_embeds, outputs the router does not relay
+    if field in GENERATE_REFUSED:  # input_embeds, outputs the router does not relay
         for engine in ("sim", "sglang"):
             with pytest.raises(P.ProtocolError) as e:
                 parse(body, engine)
@@ -154,7 +154,7 @@ def test_every_field_set_is_honoured_passed_through_or_refused_with_a_reason(fie
         return
     real = parse(body, "sglang")  # SGLang takes every field
     item = real.items[0]
-    if field in _GENERATE_SIM_REFUSED:
+    if field in GENERATE_SIM_REFUSED:
         assert item.extra == {field: body[field]}  # passed through untouched
         with pytest.raises(P.ProtocolError) as e:
             parse(body, "sim")

@@ -66,7 +66,7 @@ class ProgramLike(Protocol):
 
 
 class RouterLike(Protocol):
-    """``admit(req, now) -> Rejection | None``, when the router has it, is asked first (the
+    """``throttle(req, now) -> Rejection | None``, when the router has it, is asked first (the
     cluster OIT): a refused call is recorded rejected and never reaches a worker."""
 
     def dispatch(self, req: Request, now: float) -> Dispatch: ...
@@ -207,7 +207,7 @@ def simulate_cluster(
     for req in requests:
         push(req.arrival_s, _CALL, (None, req))
 
-    admit = getattr(router, "admit", None)  # the router's admission (cluster OIT), if any
+    throttle = getattr(router, "throttle", None)  # the router's cluster OIT, if any
     take_tag = getattr(router, "take_tag", None)  # (replica, seq, charge) of a dispatch
     ticks = 0  # report ticks and the reports they sent, in the heap
     if period is not None:
@@ -303,7 +303,7 @@ def simulate_cluster(
         elif kind == _CALL:
             prog, req = payload
             submitted.append(req)
-            rejection = admit(req, t) if admit is not None else None
+            rejection = throttle(req, t) if throttle is not None else None
             if rejection is not None:  # the router's cluster OIT refused it: never sent
                 _refuse(req, rejection)
                 if prog is not None:

@@ -1,11 +1,13 @@
-"""A request's generations, from start to end: the HTTP routes' side of :class:`Generation`.
+"""A request's life in the HTTP front, from start to end: the routes' side of its
+:class:`Generation` s (one per prompt and sample, ``router/generation.py``).
 
 :func:`prepare` turns a parsed request's items into started generations (identify,
-tokenize, admit, submit); :func:`until_done` waits for them all and raises the first
-failure; :func:`first_events` holds a stream's status line until each generation has its
-first token or its refusal; :func:`merged_updates` interleaves parallel samples. Nothing is
-lost: a client that disconnects has its generations aborted on the worker (freeing their
-KV), and a tenant's in-flight count is given back however a request ends (:func:`done_all`).
+tokenize, check the tenant's limits, submit); :func:`until_done` waits for them all and
+raises the first failure; :func:`first_events` holds a stream's status line until each
+generation has its first token or its refusal; :func:`merged_updates` interleaves parallel
+samples. Nothing is lost: a client that disconnects has its generations aborted on the
+worker (freeing their KV), and a tenant's in-flight count is given back however a request
+ends (:func:`done_all`).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def prepare(
     *,
     chat: bool = False,
 ) -> tuple[Identity, list[Generation]]:
-    """Identify, tokenize, admit and submit: one started :class:`Generation` per prompt and
-    sample (``n`` > 1 gives ``n`` per prompt, in order; the tenant is admitted for all)."""
+    """Identify, tokenize, check the tenant's limits and submit: one started
+    :class:`Generation` per prompt and sample (``n`` > 1 gives ``n`` per prompt, in order;
+    the tenant's limits count them all)."""
     who = state.identify(request, user, items[0].routing_key)
     sched = state.scheduling(request, items[0].hints, who)
     total = sum(it.sampling.n for it in items)
@@ -115,7 +118,7 @@ def prepare(
             g.lead = lead
             lead = lead or g
             gens.append(g)
-    state.admit(who, len(gens))
+    state.check_tenant_limits(who, len(gens))
     start_all(state, gens, who)
     return who, gens
 

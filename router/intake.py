@@ -1,11 +1,13 @@
-"""Admission in front of the routes: a bounded queue, and bounded work per event-loop pass.
+"""The HTTP front's intake, in front of the routes: a bounded queue, and bounded work per
+event-loop pass. (Not the tenant limits, ``state.py``; not the cluster OIT's throttling,
+``oit.py``; not a worker scheduler's admission.)
 
 The router process is one asyncio loop: the HTTP front, the router and the sockets to the
 workers share it. A burst of thousands of requests used to run every request's parse,
 tokenization and dispatch in one pass of the loop (12–21 s for 8,000 prompts of 900
 tokens); nothing else ran meanwhile — not the workers' heartbeats, not the streams.
 
-``AdmissionMiddleware`` (pure ASGI, wraps the whole app) does two things for the generation
+``IntakeMiddleware`` (pure ASGI, wraps the whole app) does two things for the generation
 endpoints, before any of that work:
 
 1. **Bounded queue** (SGLang's ``--max-queued-requests``): while ``max_queued`` generation
@@ -87,7 +89,7 @@ class StartGate:
             self._arm()
 
 
-class AdmissionMiddleware:
+class IntakeMiddleware:
     def __init__(
         self,
         app: ASGIApp,

@@ -1,4 +1,4 @@
-"""Admission in front of the routes (bounded queue, bounded work per loop pass) and the
+"""The HTTP front's intake (bounded queue, bounded work per loop pass) and the
 operators' guard, as ASGI units: a stand-in app, real asyncio."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from sgl_fair.config import parse_tenants
-from sgl_fair.router.admission import AdmissionMiddleware, StartGate
 from sgl_fair.router.guard import AdminGuard
+from sgl_fair.router.intake import IntakeMiddleware, StartGate
 
 
 def test_the_gate_lets_per_pass_through_each_pass_in_arrival_order():
@@ -127,7 +127,7 @@ async def call(app, path: str, body: bytes = b"{}", headers=(), client=("10.0.0.
 def test_the_queue_is_bounded_and_refusals_are_429_with_retry_after():
     async def main() -> None:
         inner = Recorder()
-        app = AdmissionMiddleware(inner, max_queued=5, per_pass=2)
+        app = IntakeMiddleware(inner, max_queued=5, per_pass=2)
         held = [
             asyncio.create_task(call(app, "/generate", b'{"text": "abcdef"}')) for _ in range(5)
         ]
