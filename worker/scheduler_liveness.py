@@ -25,15 +25,12 @@ Two pieces, the scheduler's own code kept apart to keep ``scheduler.py`` small:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from sgl_fair.worker.engine import Batch, PrefillChunk
-
-if TYPE_CHECKING:
-    from sgl_fair.worker.scheduler import Scheduler
+from sgl_fair.worker.scheduler_state import SchedulerCore
 
 
-def continue_chunked(sched: Scheduler, budget: int) -> PrefillChunk | None:
+def continue_chunked(sched: SchedulerCore, budget: int) -> PrefillChunk | None:
     """The next chunk of ``sched.chunked`` within ``budget``, allocated and pinned; None when
     it does not fit (it waits, holding its KV). KV checkpointed since its last chunk is
     restored first; the tokens copied are added to the step's ``swap_in_tokens``."""
@@ -44,7 +41,7 @@ def continue_chunked(sched: Scheduler, budget: int) -> PrefillChunk | None:
         ops = kv.restore(req)  # evicts cached prefixes for room
         if ops is None:
             return None
-        sched._restored_tokens += sum(op.num_tokens for op in ops)
+        sched.restored_tokens += sum(op.num_tokens for op in ops)
     remaining = req.seq_len - req.num_computed
     n = min(remaining, budget)
     last = n == remaining
@@ -58,21 +55,22 @@ def continue_chunked(sched: Scheduler, budget: int) -> PrefillChunk | None:
     return PrefillChunk(req, req.num_computed, n, last)
 
 
-def unjam(sched: Scheduler, next_batch: Callable[[], Batch | None]) -> Batch | None:
+def unjam(sched: SchedulerCore, next_batch: Callable[[], Batch | None]) -> Batch | None:
     """``next_batch`` found nothing to run while ``sched`` has work: evict the cache, then
     retract KV holders one by one, trying again after each (module docstring)."""
     kv = sched.kv
     sched.stats.num_unjams += 1
     kv.evict_all()
     while True:
-        sched._admission_blocked = False
+        sched.admission_blocked = False
         batch = next_batch()
         if batch is not None or not sched.has_work():
             return batch
+        retraction = sched.retraction
         if sched.running:
-            sched._retract(sched._victim(sched.running))
+            retraction.retract(retraction.victim(sched.running))
         elif sched.chunked is not None:
-            sched._retract(sched.chunked)
+            retraction.retract(sched.chunked)
         else:
             return None  # nothing holds KV: the policy admitted nothing
         kv.evict_all()

@@ -12,9 +12,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sgl_fair.records import RequestRecord, ServiceEvent
 from sgl_fair.request import Request
+
+if TYPE_CHECKING:  # types only: these import nothing of the scheduler's
+    from sgl_fair.policies.base import PolicyCaps
+    from sgl_fair.radix import MatchMemo
+    from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
 
 
 @dataclass(frozen=True)
@@ -106,3 +112,47 @@ def without(waiting: list[Request], gone: Sequence[Request]) -> list[Request]:
         prev = i + 1
     out += waiting[prev:]
     return out
+
+
+class SchedulerCore(Protocol):
+    """The scheduler's public state and parts, as its job modules see it (``admission``,
+    ``retraction``, ``step_paths``, ``select_step``, ``decode_growth``, ``share_guard``,
+    ``scheduler_liveness``). Declared here so that none of them imports ``scheduler.py``
+    (no import cycle) and none reaches into another's private state."""
+
+    policy: Any
+    policy_caps: PolicyCaps
+    kv: PrefixKVCache
+    config: SchedulerConfig
+    stats: SchedulerStats
+    log: RunLog
+    cost: Any
+    now: float
+    waiting: list[Request]
+    running: list[Request]
+    chunked: Request | None
+    new_token_ratio: float
+    handles: dict[Request, PrefixHandle]
+    match_memo: dict[Request, MatchMemo]
+    in_batch: tuple[Request, ...]
+    # The last admission walk stopped for lack of memory or slots (SGLang's ``batch_is_full``).
+    admission_blocked: bool
+    blocked_decode_steps: int
+    restored_tokens: int  # KV a continued chunk got back from host, this step
+    admission: Any  # admission.Admission
+    retraction: Any  # retraction.Retraction
+    growth: Any  # decode_growth.DecodeGrowth
+
+    def has_work(self) -> bool: ...
+
+    def prefix_len(self, req: Request) -> int: ...
+
+    def kv_need(self, req: Request) -> int: ...
+
+    def kv_room(self, req: Request) -> float: ...
+
+    def kv_freed_by(self, victim: Request, req: Request) -> float: ...
+
+    def checkpointed_slots(self, req: Request) -> int: ...
+
+    def copies(self) -> tuple: ...

@@ -5,7 +5,7 @@ checkpointed and device slots, and the KV usage FairServe's OIT probes.
 
 A mixin of ``Scheduler`` (``worker/scheduler.py``), kept apart so that module stays about
 scheduling; it reads the scheduler's own state (``kv``, ``config``, ``chunked``, memo and
-prefix handles) and holds none.
+prefix handles, through their public names) and holds none.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from sgl_fair.request import Request
 
 if TYPE_CHECKING:
     from sgl_fair.radix import MatchMemo
+    from sgl_fair.worker.admission import Admission
     from sgl_fair.worker.kv.prefix_cache import PrefixHandle, PrefixKVCache
     from sgl_fair.worker.scheduler_state import SchedulerConfig
 
@@ -24,26 +25,22 @@ class SchedulerViewMixin:
     kv: PrefixKVCache
     config: SchedulerConfig
     chunked: Request | None
-    _now: float
-    _match_memo: dict[Request, MatchMemo]
-    _handles: dict[Request, PrefixHandle]
+    now: float  # the clock of the last call (``SchedulerView.now``)
+    match_memo: dict[Request, MatchMemo]
+    handles: dict[Request, PrefixHandle]
     new_token_ratio: float
-    # and ``Scheduler._reserved_tokens(req)``: the running requests' reserved KV
+    admission: Admission  # ``reserved_tokens(req)``: the running requests' reserved KV
 
     def kv_usage(self) -> float:
         """Share of the KV pool that is neither free nor evictable, in [0, 1]."""
         capacity = self.kv.capacity_tokens
         return 1.0 - self.kv.available_tokens() / capacity if capacity else 0.0
 
-    @property
-    def now(self) -> float:
-        return self._now
-
     def prefix_len(self, req: Request) -> int:
-        memo = self._match_memo.get(req)
+        memo = self.match_memo.get(req)
         fresh = self.kv.memo_match(req.all_ids(), memo)
         if fresh is not memo:
-            self._match_memo[req] = fresh
+            self.match_memo[req] = fresh
         return fresh.length
 
     def kv_need(self, req: Request) -> int:
@@ -66,7 +63,7 @@ class SchedulerViewMixin:
     def kv_room(self, req: Request) -> float:
         """Room the admission test gives ``req`` now (for its class: an RT request may
         overwrite BE KV under bidirectional blocks), net of the running requests' reservation."""
-        return self.kv.available_tokens(req) - self._reserved_tokens(req)
+        return self.kv.available_tokens(req) - self.admission.reserved_tokens(req)
 
     def kv_freed_by(self, victim: Request, req: Request) -> float:
         """Room ``req``'s admission test (``kv_room``) would gain if running ``victim`` were
@@ -74,7 +71,7 @@ class SchedulerViewMixin:
         may overwrite ``victim``'s class (bidirectional blocks, RT over BE) its room counts
         those slots already, and no reservation is held against it: only what host memory
         running short kept out of that room (SPEC §5's last resort, dropping BE)."""
-        handle = self._handles.get(victim)
+        handle = self.handles.get(victim)
         if handle is None:
             return 0.0
         freed = self.kv.freed_by_release(victim, handle, req)
@@ -85,7 +82,7 @@ class SchedulerViewMixin:
 
     def kv_slots(self, req: Request) -> list[int]:
         """Flat device KV slots of ``req``'s positions, in order (exact caches only)."""
-        return self.kv.kv_slots(req, self._handles[req])
+        return self.kv.kv_slots(req, self.handles[req])
 
     def checkpointed_slots(self, req: Request) -> int:
         """KV tokens of ``req`` checkpointed to host (0 unless the allocator checkpoints)."""

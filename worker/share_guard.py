@@ -44,13 +44,13 @@ from sgl_fair.request import ClientId, Request
 
 if TYPE_CHECKING:
     from sgl_fair.worker.engine import PrefillChunk
-    from sgl_fair.worker.scheduler import Scheduler
+    from sgl_fair.worker.scheduler_state import SchedulerCore
 
 
 class Shares:
     """Per-client KV tokens and running requests of a scheduler's running set."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: SchedulerCore) -> None:
         self.capacity = max(sched.kv.capacity_tokens, 1)
         self.slots = max(sched.config.max_running_requests, 1)
         weights = sched.policy_caps.weights
@@ -77,16 +77,16 @@ class Shares:
         return max(kv, slots) / self.weight(client)
 
 
-def decode_victim(sched: Scheduler, pool: Sequence[Request]) -> Request:
+def decode_victim(sched: SchedulerCore, pool: Sequence[Request]) -> Request:
     """Rule 2: whom to retract from ``pool`` under memory pressure: one of the requests of
     the client in ``pool`` holding the largest share (SGLang's rule among them)."""
     shares = Shares(sched)
     top = max({r.client for r in pool}, key=lambda c: (shares.share(c), c))
-    return sched._default_victim([r for r in pool if r.client == top])
+    return sched.retraction.default_victim([r for r in pool if r.client == top])
 
 
 def admit_below_share(
-    sched: Scheduler, budget: int, num_active: int, promised: int
+    sched: SchedulerCore, budget: int, num_active: int, promised: int
 ) -> list[PrefillChunk]:
     """Rule 1: admit the least-sharing waiting client's next request, making room if fair.
 
@@ -110,7 +110,7 @@ def admit_below_share(
     cfg = sched.config
     service = sched.policy_caps.service_received
 
-    room = sched.kv.available_tokens() - sched._reserved_tokens() - promised
+    room = sched.kv.available_tokens() - sched.admission.reserved_tokens() - promised
     short_kv = need - room
     short_slots = num_active + 1 - cfg.max_running_requests
     ratio = sched.new_token_ratio
@@ -126,7 +126,7 @@ def admit_below_share(
         pool = [r for r in sched.running if r.client == top and id(r) not in taken]
         if not pool:  # its only held request is the chunked one, which is not retractable
             return []
-        victim = sched._default_victim(pool)
+        victim = sched.retraction.default_victim(pool)
         if shares.share(top, -victim.num_computed, -1) < target:
             return []  # taking more from `top` would push it below the newcomer
         if service is not None and service(newcomer) > service(top):
@@ -138,6 +138,6 @@ def admit_below_share(
         short_kv -= victim.num_computed + ratio * min(victim.remaining_new_tokens, clip)
         short_slots -= 1
     for victim in plan:
-        sched._retract(victim)
+        sched.retraction.retract(victim)
     sched.stats.num_share_retractions += len(plan)
-    return sched._admit(budget, num_active - len(plan), promised, walk=iter([req]))
+    return sched.admission.admit(budget, num_active - len(plan), promised, walk=iter([req]))

@@ -62,7 +62,7 @@ def assert_in_flight_consistent(scheduler: Scheduler, batch: Batch) -> None:
     if scheduler.chunked is not None:
         in_flight.add(id(scheduler.chunked))
     in_flight |= {id(c.req) for c in batch.prefill}
-    assert in_flight == {id(r) for r in scheduler._handles}, "prefix handles leaked or missing"
+    assert in_flight == {id(r) for r in scheduler.handles}, "prefix handles leaked or missing"
     waiting = {id(r) for r in scheduler.waiting}
     assert not waiting & in_flight, "a request is both waiting and scheduled"
     assert_waiting_in_arrival_order(scheduler)
@@ -216,9 +216,9 @@ def assert_private_kv_exact(scheduler: Scheduler) -> None:
     """
     held = scheduler.kv.allocator.held
     for req in scheduler.running:
-        committed = scheduler._handles[req].prefix_len
+        committed = scheduler.handles[req].prefix_len
         assert held(req) == req.seq_len - committed, (req, held(req), committed)
     if scheduler.chunked is not None:
         req = scheduler.chunked
-        committed = scheduler._handles[req].prefix_len
+        committed = scheduler.handles[req].prefix_len
         assert held(req) == req.num_computed - committed, (req, held(req), committed)

@@ -100,14 +100,14 @@ def test_on_bidirectional_blocks_rt_overwrites_be_and_drops_it_only_without_host
     assert (sched.kv_need(rt) > sched.kv_room(rt)) is drops
     assert any(sched.kv_freed_by(r, rt) > 0 for r in bes) is drops
     for_room: list[Request] = []  # retracted to make room for the pick (not for a restore)
-    real = sched._retract
+    real = sched.retraction.retract
 
     def spy(req: Request) -> None:
         if sys._getframe(1).f_code.co_name == "_make_room":
             for_room.append(req)
         real(req)
 
-    sched._retract = spy
+    sched.retraction.retract = spy
     batch = sched.step(now)
     assert rt in [c.req for c in batch.prefill]
     assert bool(for_room) is drops and all(r.service_class is BE for r in for_room)
@@ -146,7 +146,7 @@ def test_kv_freed_by_never_over_promises_and_is_zero_where_rt_overwrites_be() ->
         for victim in bes:
             before = sched.kv_room(rt)
             freed = sched.kv_freed_by(victim, rt)
-            sched._retract(victim)
+            sched.retraction.retract(victim)
             # The prompt KV (evictable now) and the reservation come back; never less.
             assert sched.kv_room(rt) >= before + freed - 1e-9, allocator
             assert freed >= victim.input_len, allocator
@@ -173,13 +173,13 @@ def test_bros_never_retracts_a_running_rt_request_to_admit_another(allocator: st
     ]  # fmt: skip
     sched = scheduler(allocator, 1600)
     retracted: list[Request] = []
-    real = sched._retract
+    real = sched.retraction.retract
 
     def spy(req: Request) -> None:
         retracted.append(req)
         real(req)
 
-    sched._retract = spy
+    sched.retraction.retract = spy
     drive(sched, SimEngine(COST), rts + bes, token_pool=False)
     assert_finished_exactly(rts + bes)
     assert not [r for r in retracted if r.service_class is RT]
@@ -219,7 +219,7 @@ def test_rt_admissions_retract_only_be_and_everything_finishes(
     hosted = {"host_capacity_tokens": host} if allocator == "bidirectional" else None
     sched = scheduler(allocator, capacity, hosted)
     bad: list[Request] = []
-    real = sched._retract
+    real = sched.retraction.retract
 
     def spy(req: Request) -> None:
         caller = sys._getframe(1).f_code.co_name
@@ -227,7 +227,7 @@ def test_rt_admissions_retract_only_be_and_everything_finishes(
             bad.append(req)
         real(req)
 
-    sched._retract = spy
+    sched.retraction.retract = spy
     drive(sched, SimEngine(COST), reqs, token_pool=allocator == "token")
     assert_finished_exactly(reqs)
     assert not bad

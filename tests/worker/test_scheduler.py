@@ -678,7 +678,7 @@ def test_a_decode_without_room_is_a_clear_error_not_a_silent_skip(monkeypatch) -
     batch = sched.step(0.0)  # the prefill
     assert batch is not None and batch.prefill
     sched.apply(StepResult(batch, 0.01, [7]), 0.01)
-    monkeypatch.setattr(sched, "_ensure_decode_memory", lambda: None)  # the bug
+    monkeypatch.setattr(sched.retraction, "ensure_decode_memory", lambda: None)  # the bug
     sched.kv.allocate(object(), sched.kv.allocator.num_free_tokens())  # someone took the rest
     with pytest.raises(OutOfMemory, match="'a'"):
         sched.step(0.02)

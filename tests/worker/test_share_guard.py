@@ -104,13 +104,13 @@ def test_decode_pressure_retracts_from_the_client_holding_the_most() -> None:
     small = [Request(f"s{i}", "S", unique_tokens(200), 600, 0.0) for i in range(2)]
     sched = scheduler("fcfs", guard=True, capacity=20_000, ratio=0.1)
     retracted: list[str] = []
-    original = sched._retract
+    original = sched.retraction.retract
 
     def spy(req: Request) -> None:
         retracted.append(req.client)
         original(req)
 
-    sched._retract = spy  # type: ignore[method-assign]
+    sched.retraction.retract = spy  # type: ignore[method-assign]
     drive(sched, SimEngine(COST), [*big, *small])
     assert retracted and set(retracted) == {"B"}
     assert_finished_exactly([*big, *small])

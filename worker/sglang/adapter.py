@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from sglang.srt.environ import envs
@@ -446,9 +446,8 @@ class FairSchedulePolicy(SchedulePolicy):
         self._expect = None
         if not keep_queue:
             self._queue = None
-        close = getattr(walk, "close", None)
-        if close is not None:
-            close()
+        if isinstance(walk, Generator):  # the policy's lazy walk: run its cleanup now
+            walk.close()
 
 
 def _index(queue: list[Req], req: Req, start: int) -> int:
