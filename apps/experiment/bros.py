@@ -37,6 +37,7 @@ from sgl_fair.experiment.bros_workload import (
     Setting,
     run_one,
 )
+from sgl_fair.experiment.registry import ExperimentEntry, ExperimentOutput, register
 from sgl_fair.policies import make_policy
 from sgl_fair.request import Phase, Request, ServiceClass
 from sgl_fair.worker.scheduler import SchedulerConfig
@@ -304,23 +305,29 @@ EXPERIMENTS: dict[str, BrosExperiment] = {
 }
 
 
-def cmd_run(args) -> int:
-    """``python -m sgl_fair.experiment run bros-*`` (called by ``cli.cmd_run``)."""
-    import json
-    from pathlib import Path
+# ---------------------------------------------------------------- the experiment registry
 
-    exp = EXPERIMENTS[args.name]
-    data = exp.run(args.quick, args.seed)
-    out = args.out or Path("runs") / exp.name
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(data, indent=2))
-    if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
+
+def _show(result: ExperimentOutput, paths: dict) -> None:
+    exp = result.experiment
     print(f"{exp.name} ({exp.figure}) — {exp.description}")
-    for row in data["rows"]:
+    for row in result.rows:
         print("  " + "  ".join(f"{k}={v}" for k, v in row.items()))
-    for c in data["claims"]:
+    for c in result.claims:
         print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['text']} — {c['detail']}")
-    print(f"results: {out / 'results.json'}")
-    return 0
+    print(f"results: {paths['results']}")
+
+
+def _entry(exp: BrosExperiment) -> ExperimentEntry:
+    return ExperimentEntry(
+        exp.name,
+        exp.figure,
+        exp.description,
+        run=lambda o: ExperimentOutput.from_json(exp, exp.run(o.quick, o.seed)),
+        quick={"runs": "shorter runs, fewer rates for the heavy BE batches (see each runner)"},
+        show=_show,
+    )
+
+
+for _exp in EXPERIMENTS.values():
+    register(_entry(_exp), family=__name__)

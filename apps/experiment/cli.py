@@ -23,9 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from sgl_fair.experiment.show import print_claims, print_rows, print_table
+from sgl_fair.experiment.show import print_claims, print_table
 
-_print_table, _print_rows = print_table, print_rows
 EXIT_USAGE = 2
 PROG = "python -m sgl_fair.experiment"
 
@@ -88,37 +87,17 @@ _CLUSTER_FLAGS = ("dp", "router", "local", "workload", "scenario", "gpu", "model
 
 
 def cmd_list() -> int:
-    from sgl_fair.experiment import bros, fairserve
-    from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
     from sgl_fair.experiment.registry import EXPERIMENTS
 
-    everything = [
-        *EXPERIMENTS,
-        *(e for e in CLUSTER.values() if e.name not in EXPERIMENTS),
-        *([fairserve] if fairserve.NAME not in EXPERIMENTS else []),
-        *(e for e in bros.EXPERIMENTS.values() if e.name not in EXPERIMENTS),
-    ]
-    names = [getattr(e, "NAME", None) or e.name for e in everything]
-    width = max(len(n) for n in names)
-    for name, exp in zip(names, everything, strict=True):
-        figure = getattr(exp, "FIGURE", None) or exp.figure
-        description = getattr(exp, "DESCRIPTION", None) or exp.description
-        print(f"{name:<{width}}  {figure:<12} {description}")
+    width = max(len(e.name) for e in EXPERIMENTS)
+    for exp in EXPERIMENTS:
+        print(f"{exp.name:<{width}}  {exp.figure:<12} {exp.description}")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sgl_fair.experiment import bros, fairserve
-    from sgl_fair.experiment.cluster import EXPERIMENTS as CLUSTER
     from sgl_fair.experiment.registry import EXPERIMENTS, RunOptions
 
-    if args.name not in EXPERIMENTS:  # families not in the registry yet
-        if args.name in CLUSTER:
-            return cmd_run_cluster(args)
-        if args.name == fairserve.NAME:
-            return fairserve.cli_run(args, _CLUSTER_FLAGS, UsageError, _print_rows)
-        if args.name in bros.EXPERIMENTS:
-            return bros.cmd_run(args)
     entry = _user_value(EXPERIMENTS.get, args.name)
     given = {f: getattr(args, f) for f in _CLUSTER_FLAGS if getattr(args, f) is not None}
     foreign = [f"--{f}" for f in given if f not in entry.flags]
@@ -136,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif entry.show is not None:
         entry.show(result, paths)
     else:
-        _print_table(f"{entry.name} ({entry.figure}) — {entry.description}", result.rows)
+        print_table(f"{entry.name} ({entry.figure}) — {entry.description}", result.rows)
         print_claims(result.claims)
         print(f"results: {paths['results']}")
     return 0
@@ -168,80 +147,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         _user_value(get_gpu, args.gpu)
     if args.model is not None:
         _user_value(get_model, args.model)
-
-
-def cmd_run_cluster(args: argparse.Namespace) -> int:
-    from sgl_fair.experiment.cluster import (
-        EXPERIMENTS,
-        Overrides,
-        run_cluster_experiment,
-    )
-    from sgl_fair.policies import policy_names
-    from sgl_fair.router import router_policy_names
-    from sgl_fair.worker.sim.hardware import get_gpu, get_model
-    from sgl_fair.workloads.cluster_report import table, write_cluster_outputs
-    from sgl_fair.workloads.programs import WORKLOADS
-
-    if args.dp is not None and not 1 <= args.dp <= 64:
-        raise UsageError(f"--dp must be between 1 and 64 (got {args.dp})")
-    if args.jobs is not None and args.jobs < 1:
-        raise UsageError(f"--jobs must be >= 1 (got {args.jobs})")
-    if args.router is not None and args.router not in router_policy_names():
-        raise UsageError(
-            f"--router: unknown policy {args.router!r} (known: {', '.join(router_policy_names())})"
-        )
-    if args.local is not None and args.local not in policy_names():
-        raise UsageError(
-            f"--local: unknown policy {args.local!r} (known: {', '.join(policy_names())})"
-        )
-    if args.workload is not None and args.workload not in WORKLOADS:
-        raise UsageError(f"--workload: unknown {args.workload!r} (known: {', '.join(WORKLOADS)})")
-    if args.scenario is not None and args.scenario not in ("s1", "s2", "none"):
-        raise UsageError(f"--scenario must be s1, s2 or none (got {args.scenario!r})")
-    if args.gpu is not None:
-        _user_value(get_gpu, args.gpu)
-    if args.model is not None:
-        _user_value(get_model, args.model)
-    exp = EXPERIMENTS[args.name]
-    ov = Overrides(
-        dp=args.dp,
-        router=args.router,
-        local=args.local,
-        workload=args.workload,
-        scenario=args.scenario,
-        gpu=args.gpu,
-        model=args.model,
-    )
-    progress = None if args.json else _progress_printer(exp.name)
-    result = _user_value(
-        lambda: run_cluster_experiment(
-            exp, quick=args.quick, seed=args.seed, overrides=ov, jobs=args.jobs, progress=progress
-        )
-    )
-    out = args.out or Path("runs") / exp.name
-    paths = write_cluster_outputs(result, out)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    else:
-        header, body = table(result.rows)
-        _print_rows(f"{exp.name} ({exp.figure}) — {exp.description}", header, body)
-        for claim in result.claims:
-            mark = "PASS" if claim.passed else "FAIL"
-            print(f"  [{mark}] {claim.text} — {claim.detail}")
-        print(f"report: {paths['report']}  (results.json and plots alongside)")
-    return 0
-
-
-def _progress_printer(name: str):
-    def show(done: int, total: int, row: dict) -> None:
-        print(
-            f"  [{done}/{total}] {row['policy']} dp={row['dp']} {row['workload']} "
-            f"{row['scenario'] or ''} ({row['sim_wall_s']:.1f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    return show
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -289,7 +194,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(row, indent=2))
     else:
-        _print_table(f"replay {args.trace} on {args.gpu} + {args.model}", [row])
+        print_table(f"replay {args.trace} on {args.gpu} + {args.model}", [row])
         if predictor is not None:
             print(f"  output-length predictor (VTC's predict): {predictor}")
         print(

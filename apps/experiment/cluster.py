@@ -14,12 +14,15 @@ they share in ``cluster_base``.
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from sgl_fair.experiment.single import Claim
+from sgl_fair.experiment.registry import ExperimentEntry, ExperimentOutput, RunOptions, register
+from sgl_fair.experiment.show import print_claims, print_rows
 from sgl_fair.workloads.combos import D2LPM, Combo
 
 from .cluster_base import ClusterExperiment
@@ -29,33 +32,8 @@ from .cluster_runs import RunSpec, run_many
 from .cluster_sweeps import CLIENTS, D2LPM_QUANTUM, DLPM_QUANTUM
 from .cluster_timelines import CHAT_FLOOD, MIXED, TIMELINE
 
-
-@dataclass
-class ClusterExperimentResult:
-    experiment: ClusterExperiment
-    quick: bool
-    seed: int
-    rows: list[dict[str, Any]]
-    claims: list[Claim]
-    wall_s: float
-
-    @property
-    def num_runs(self) -> int:
-        return len(self.rows)
-
-    def to_json(self) -> dict[str, Any]:
-        exp = self.experiment
-        return {
-            "experiment": exp.name,
-            "figure": exp.figure,
-            "description": exp.description,
-            "quick": self.quick,
-            "seed": self.seed,
-            "rows": self.rows,
-            "claims": [c.__dict__ for c in self.claims],
-            "all_claims_passed": all(c.passed for c in self.claims),
-            "sim_wall_s": round(self.wall_s, 3),
-        }
+# What ``run_cluster_experiment`` returns: the one result shape (``registry``).
+ClusterExperimentResult = ExperimentOutput
 
 
 # ---------------------------------------------------------------- overrides (CLI flags)
@@ -132,19 +110,14 @@ def run_cluster_experiment(
     overrides: Overrides | None = None,
     jobs: int | None = None,
     progress: Callable[[int, int, dict], None] | None = None,
-) -> ClusterExperimentResult:
+) -> ExperimentOutput:
     specs = exp.build(quick, seed)
     if overrides is not None and overrides.any():
         specs = apply_overrides(specs, overrides)
     t0 = time.perf_counter()
     rows = run_many(specs, jobs=jobs, progress=progress)
-    return ClusterExperimentResult(
-        experiment=exp,
-        quick=quick,
-        seed=seed,
-        rows=rows,
-        claims=exp.claims(rows),
-        wall_s=time.perf_counter() - t0,
+    return ExperimentOutput(
+        exp, quick, seed, rows, exp.claims(rows), wall_s=time.perf_counter() - t0
     )
 
 
@@ -186,3 +159,59 @@ def get_cluster_experiment(name: str) -> ClusterExperiment:
         return EXPERIMENTS[name]
     except KeyError:
         raise ValueError(f"unknown cluster experiment {name!r}") from None
+
+
+# ---------------------------------------------------------------- the experiment registry
+
+QUICK = {"runs": "fewer minutes of arrivals and sweep points (each build(quick=True))"}
+FLAGS = frozenset(("dp", "router", "local", "workload", "scenario", "gpu", "model", "jobs"))
+
+
+def _check(flags: Mapping[str, Any]) -> None:
+    scenario = flags.get("scenario")
+    if scenario is not None and scenario not in ("s1", "s2", "none"):
+        raise ValueError(f"--scenario must be s1, s2 or none (got {scenario!r})")
+
+
+def _progress_printer(name: str) -> Callable[[int, int, dict], None]:
+    def show(done: int, total: int, row: dict) -> None:
+        print(
+            f"  [{done}/{total}] {row['policy']} dp={row['dp']} {row['workload']} "
+            f"{row['scenario'] or ''} ({row['sim_wall_s']:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
+
+
+def _entry(exp: ClusterExperiment) -> ExperimentEntry:
+    def run(o: RunOptions) -> ExperimentOutput:
+        f = o.flags
+        ov = Overrides(**{k: f.get(k) for k in Overrides.__dataclass_fields__})
+        progress = None if o.json else _progress_printer(exp.name)
+        return run_cluster_experiment(
+            exp, quick=o.quick, seed=o.seed, overrides=ov, jobs=f.get("jobs"), progress=progress
+        )
+
+    def show(result: ExperimentOutput, paths: dict) -> None:
+        from sgl_fair.workloads.cluster_report import table
+
+        header, body = table(result.rows)
+        print_rows(f"{exp.name} ({exp.figure}) — {exp.description}", header, body)
+        print_claims(result.claims)
+        print(f"report: {paths['report']}  (results.json and plots alongside)")
+
+    def write(result: ExperimentOutput, out: Path) -> dict[str, Path]:
+        from sgl_fair.workloads.cluster_report import write_cluster_outputs
+
+        return write_cluster_outputs(result, out)
+
+    return ExperimentEntry(
+        exp.name, exp.figure, exp.description, run, quick=QUICK,
+        flags=FLAGS, check=_check, write=write, show=show,
+    )  # fmt: skip
+
+
+for _exp in EXPERIMENTS.values():
+    register(_entry(_exp), family=__name__)

@@ -61,11 +61,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -78,11 +76,14 @@ from sgl_fair.experiment.fairserve_report import (
     premises,
     targets,
 )
+from sgl_fair.experiment.registry import ExperimentEntry, ExperimentOutput, RunOptions, register
+from sgl_fair.experiment.show import print_rows
 from sgl_fair.policies import PolicyCaps, make_policy
 from sgl_fair.policies.rpm import RPM
 from sgl_fair.request import Phase, Request
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.loop import SimLoop
 from sgl_fair.worker.sim.runner import make_sim_worker
 
 NAME = "fairserve-apps"
@@ -291,7 +292,7 @@ def run_case(
     owner: dict[int, Interaction] = {}
     seq = itertools.count(len(fresh))
     rejections: list[tuple[float, Interaction]] = []
-    now, done_seen = 0.0, 0
+    done_seen = 0
     half = duration_s / 2
     computed = [0, 0]  # prompt tokens computed + decode tokens, per phase (by step start)
     wall0 = time.perf_counter()
@@ -306,23 +307,18 @@ def run_case(
         if inter.outstanding == 0:
             inter.done = True
 
-    while True:
-        while pending and pending[0][0] <= now:
-            t, _, inter = heapq.heappop(pending)
-            issue(inter, t)
-        if now >= duration_s:
-            break
-        batch = sched.step(now)
-        if batch is None:
-            if not pending:
-                break
-            now = pending[0][0]
-            continue
-        result = engine.run(batch)
-        phase = 0 if now < half else 1
-        computed[phase] += batch.num_prefill_tokens + len(batch.decode)
-        now += result.duration_s
-        sched.apply(result, now)
+    class Levels:  # the arrival source: each interaction's next level, when it is due
+        def release(self, now: float, _sched: Any) -> None:
+            while pending and pending[0][0] <= now:
+                t, _, inter = heapq.heappop(pending)
+                issue(inter, t)
+
+        def next_s(self) -> float | None:
+            return pending[0][0] if pending else None
+
+    def on_step(loop: SimLoop, batch: Any, result: Any, start_s: float) -> None:
+        nonlocal done_seen
+        computed[0 if start_s < half else 1] += batch.num_prefill_tokens + len(batch.decode)
         for req in sched.log.done[done_seen:]:
             inter = owner.get(id(req))
             if inter is None or req.phase is not Phase.FINISHED:
@@ -333,8 +329,10 @@ def run_case(
                 if inter.throttled or inter.level == len(inter.levels):
                     inter.done = not inter.throttled
                 else:
-                    heapq.heappush(pending, (now, next(seq), inter))
+                    heapq.heappush(pending, (loop.now, next(seq), inter))
         done_seen = len(sched.log.done)
+
+    SimLoop(sched, engine, Levels(), until_s=duration_s, on_step=on_step).run()
     wall = time.perf_counter() - wall0
     row = make_row(case.label, fresh, rejections, duration_s, wall)
     for i, phase in enumerate(("overloaded", "underloaded")):
@@ -442,38 +440,33 @@ def run(
     }
 
 
-def cli_run(args: Any, cluster_flags: tuple[str, ...], usage_error: type, print_rows) -> int:
-    """``python -m sgl_fair.experiment run fairserve-apps [--quick] [--json] [--seed N]
-    [--dp N] [--scenario NAME]`` (``--dp``: over a cluster behind the router, with its OIT
-    for fairserve; ``--scenario``: one of ``SCENARIOS``, ``paper`` by default)."""
-    ours = ("dp", "scenario")
-    given = [f"--{f}" for f in cluster_flags if f not in ours and getattr(args, f) is not None]
-    if given:
-        raise usage_error(f"{', '.join(given)}: only for cluster experiments, not {NAME}")
-    dp = 1 if getattr(args, "dp", None) is None else args.dp
-    if not 1 <= dp <= 64:
-        raise usage_error(f"--dp must be between 1 and 64 (got {dp})")
-    scenario = getattr(args, "scenario", None)
-    scenario = DEFAULT_SCENARIO if scenario is None else scenario
-    if scenario not in SCENARIOS:
+# ---------------------------------------------------------------- the experiment registry
+
+
+def _check(flags: Mapping[str, Any]) -> None:
+    scenario = flags.get("scenario")
+    if scenario is not None and scenario not in SCENARIOS:
         known = " | ".join(SCENARIOS)
-        raise usage_error(f"--scenario for {NAME} must be {known} (got {scenario!r})")
-    data = run(quick=args.quick, seed=args.seed, dp=dp, scenarios=(scenario,))
-    out = args.out or Path("runs") / NAME
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
+        raise ValueError(f"--scenario for {NAME} must be {known} (got {scenario!r})")
+
+
+def _run(o: RunOptions) -> ExperimentOutput:
+    """``--dp``: over a cluster behind the router, with its OIT for fairserve;
+    ``--scenario``: one of ``SCENARIOS``, ``paper`` by default."""
+    dp, scenario = o.flags.get("dp") or 1, o.flags.get("scenario") or DEFAULT_SCENARIO
+    data = run(quick=o.quick, seed=o.seed, dp=dp, scenarios=(scenario,))
+    return ExperimentOutput.from_json(ENTRY, data)
+
+
+def _show(result: ExperimentOutput, paths: dict) -> None:
     header = list(TABLE_COLUMNS)
-    body = [[_fmt(row[k]) for k in header] for row in data["rows"]]
+    body = [[_fmt(row[k]) for k in header] for row in result.rows]
     print_rows(f"{NAME} ({FIGURE}) — {DESCRIPTION}", header, body)
-    for claim in data["premises"]:
+    for claim in result.extras["premises"]:
         print(f"  [{'ok' if claim['passed'] else 'NOT MET'}] premise {claim['text']}")
-    for claim in data["claims"]:
-        print(f"  [{'PASS' if claim['passed'] else 'FAIL'}] {claim['text']} — {claim['detail']}")
-    print(f"results: {out / 'results.json'}")
-    return 0
+    for c in result.claims:
+        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['text']} — {c['detail']}")
+    print(f"results: {paths['results']}")
 
 
 TABLE_COLUMNS = (
@@ -496,3 +489,12 @@ def _fmt(v: Any) -> str:
     if v is None:
         return "-"
     return f"{v:.3g}" if isinstance(v, float) and abs(v) < 100 else str(v)
+
+
+ENTRY = register(
+    ExperimentEntry(
+        NAME, FIGURE, DESCRIPTION, _run, quick={"duration_s": QUICK_DURATION_S},
+        flags=frozenset(("dp", "scenario")), check=_check, show=_show,
+    ),
+    family=__name__,
+)  # fmt: skip

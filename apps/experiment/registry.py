@@ -31,6 +31,9 @@ class Claim:
     detail: str = ""
 
 
+_HEAD = ("experiment", "figure", "description", "quick", "seed")
+
+
 @dataclass
 class ExperimentOutput:
     """What every experiment returns. ``experiment``: what ran (anything with ``name``,
@@ -41,11 +44,28 @@ class ExperimentOutput:
     quick: bool
     seed: int
     rows: list[dict[str, Any]]
-    claims: list[Claim]
+    claims: list[Claim] | list[dict[str, Any]]
     extras: dict[str, Any] = field(default_factory=dict)
     duration_s: float | None = None
     wall_s: float | None = None
     runs: Any = None  # the family's per-run detail (reports, plots); not in the JSON
+
+    @classmethod
+    def from_json(cls, experiment: Any, data: Mapping[str, Any]) -> ExperimentOutput:
+        """The result a family built as a results.json dict (BROS, FairServe: their claims
+        are dicts that may carry more keys, kept as they are); every key other than the
+        common ones becomes an extra, in its order."""
+        common = {*_HEAD, "duration_s", "rows", "claims", "all_claims_passed", "sim_wall_s"}
+        return cls(
+            experiment,
+            data["quick"],
+            data["seed"],
+            data["rows"],
+            data["claims"],
+            extras={k: v for k, v in data.items() if k not in common},
+            duration_s=data.get("duration_s"),
+            wall_s=data.get("sim_wall_s"),
+        )
 
     @property
     def num_runs(self) -> int:
@@ -53,7 +73,7 @@ class ExperimentOutput:
 
     @property
     def all_claims_passed(self) -> bool:
-        return all(c.passed for c in self.claims)
+        return all(c["passed"] if isinstance(c, dict) else c.passed for c in self.claims)
 
     def to_json(self) -> dict[str, Any]:
         exp = self.experiment
@@ -68,7 +88,7 @@ class ExperimentOutput:
             data["duration_s"] = self.duration_s
         data.update(self.extras)
         data["rows"] = self.rows
-        data["claims"] = [c.__dict__ for c in self.claims]
+        data["claims"] = [c if isinstance(c, dict) else c.__dict__ for c in self.claims]
         data["all_claims_passed"] = self.all_claims_passed
         if self.wall_s is not None:
             data["sim_wall_s"] = round(self.wall_s, 3)
