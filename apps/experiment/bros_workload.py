@@ -3,7 +3,8 @@ at a Poisson rate with ShareGPT-like lengths, closed-loop BE batches, one simula
 the paper's Llama-3-70B setting, and the per-run metrics (``run_one``).
 
 The BE job is closed-loop, which ``simulate`` (open-loop arrivals) cannot express, so this
-module has its own small driver loop; metrics are computed here from the requests.
+module drives the simulation loop (``sim.loop``) with hooks that submit the BE batches and
+stop once the RT requests drained; metrics are computed here from the requests.
 RT requests are measured until every RT request that arrived within the run finishes; BE
 throughput counts what the BE job got done within the run's duration.
 """
@@ -20,6 +21,7 @@ from sgl_fair.policies import make_policy
 from sgl_fair.request import Phase, Request, ServiceClass
 from sgl_fair.worker.scheduler import Scheduler, SchedulerConfig
 from sgl_fair.worker.sim.cost_model import CostModel
+from sgl_fair.worker.sim.loop import OpenArrivals, SimLoop
 from sgl_fair.worker.sim.runner import make_sim_worker
 from sgl_fair.workloads.arrivals import Poisson
 from sgl_fair.workloads.lengths import LogNormal
@@ -159,46 +161,42 @@ def drive_hybrid(
     duration_s: float,
     clock: TokenClock | None = None,
 ) -> dict[str, Any]:
-    """Run until ``duration_s`` with the BE job looping, then drain the RT requests."""
-    arrivals = sorted(rt, key=Request.arrival_key)
-    now, i, num_steps, select_s, busy_s = 0.0, 0, 0, 0.0, 0.0
-    be_tokens_at_end = None
+    """Run until ``duration_s`` with the BE job looping, then drain the RT requests (on the
+    simulation loop, ``sim.loop``: RT arrive open-loop, the BE job joins before a step)."""
+    arrivals = OpenArrivals(rt)
     drain_cap_s = duration_s * 3 + 60
-    while now < drain_cap_s:
-        while i < len(arrivals) and arrivals[i].arrival_s <= now:
-            sched.add_request(arrivals[i], arrivals[i].arrival_s)
-            i += 1
-        if now < duration_s and be.due():
-            for r in be.next_batch(now):
-                sched.add_request(r, now)
-        if now >= duration_s and be_tokens_at_end is None:
-            be_tokens_at_end = _be_progress(be, duration_s, arrivals)
-            if i == len(arrivals) and all(r.finish_s is not None for r in arrivals):
-                break
-        t0 = time.perf_counter()
-        batch = sched.step(now)
-        select_s += time.perf_counter() - t0
-        if batch is None:
-            if i < len(arrivals):
-                now = arrivals[i].arrival_s
-                continue
-            break
-        result = engine.run(batch)
-        now += result.duration_s
-        busy_s += result.duration_s
-        sched.apply(result, now)
+    snapshot: dict[str, float] = {}
+
+    def rt_done() -> bool:
+        return arrivals.num_pending == 0 and all(r.finish_s for r in arrivals.requests)
+
+    def before_step(loop: SimLoop) -> bool:
+        if loop.now < duration_s and be.due():
+            for r in be.next_batch(loop.now):
+                sched.add_request(r, loop.now)
+        if loop.now >= duration_s and not snapshot:
+            snapshot.update(_be_progress(be, duration_s, arrivals.requests))
+            if arrivals.num_pending == 0 and all(r.finish_s is not None for r in arrivals.requests):
+                return False
+        return True
+
+    def on_step(loop: SimLoop, batch, result, start_s: float) -> None:
         if clock is not None:
-            clock.tick(batch.sampling_requests(), now)
-        num_steps += 1
-        if now >= duration_s and i == len(arrivals) and all(r.finish_s for r in arrivals):
-            break
-    if be_tokens_at_end is None:
-        be_tokens_at_end = _be_progress(be, duration_s, arrivals)
+            clock.tick(batch.sampling_requests(), loop.now)
+
+    def stop(loop: SimLoop) -> bool:
+        return loop.now >= drain_cap_s or (loop.now >= duration_s and rt_done())
+
+    loop = SimLoop(
+        sched, engine, arrivals, before_step=before_step, on_step=on_step, stop=stop
+    ).run()
+    if not snapshot:
+        snapshot.update(_be_progress(be, duration_s, arrivals.requests))
     return {
-        "num_steps": num_steps,
-        "step_wall_s": select_s,
-        "busy_s": busy_s,
-        **be_tokens_at_end,
+        "num_steps": loop.num_steps,
+        "step_wall_s": loop.step_wall_s,
+        "busy_s": loop.busy_s,
+        **snapshot,
     }
 
 
