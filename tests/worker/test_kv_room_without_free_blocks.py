@@ -2,18 +2,14 @@
 that fits in the owner's own last block whenever no whole block is free — its cheap gate
 (``num_tokens > available_tokens()``) counts free blocks and evictable tokens, not the
 owner's room. In a step where one decode takes the last free block, every later decode
-with room of its own is refused (``allocate_each``), and the scheduler retracts a request
-for it. The fix belongs in ``worker/kv/prefix_cache.py`` (issue 32's refactor holds that
-file): ask the allocator before the gate. Strict xfail until then."""
+with room of its own was refused (``allocate_each``), and the scheduler retracted a request
+for it. Fixed: the allocator is asked before the gate, and a token that fits in the
+owner's room evicts nothing."""
 
 from __future__ import annotations
 
-import pytest
-
 from sgl_fair.worker.kv import PrefixKVCache
 from sgl_fair.worker.kv.registry import make_allocator
-
-BUG = "PrefixKVCache.can_allocate's gate ignores the owner's room when no block is free"
 
 
 def _owner_with_room_and_no_free_block():
@@ -25,11 +21,9 @@ def _owner_with_room_and_no_free_block():
     return kv
 
 
-@pytest.mark.xfail(strict=True, reason=BUG)
 def test_a_token_in_the_owners_own_block_is_allowed():
     assert _owner_with_room_and_no_free_block().can_allocate("a", 1)
 
 
-@pytest.mark.xfail(strict=True, reason=BUG)
 def test_a_decode_step_grows_into_its_own_block():
     assert _owner_with_room_and_no_free_block().allocate_each(["a"]) == 1

@@ -228,12 +228,16 @@ class PrefixKVCache:
         """Whether ``allocate`` will succeed: the allocator's own answer after a dry-run
         eviction of every evictable prefix (block allocators: tokens are not blocks)."""
         kw = self._class_of(owner)
-        # A cheap gate first. An RT request may also overwrite BE KV: the allocator decides.
-        if num_tokens < 0 or (num_tokens > self.available_tokens() and not self.overwrites(owner)):
+        if num_tokens < 0:
             return False
         alloc = self.allocator
+        # The allocator first: tokens may fit in the owner's own last block while no whole
+        # block is free, which the token gate below cannot see (found by bros-bicache).
         if alloc.can_allocate(owner, num_tokens, **kw):
             return True
+        # A cheap gate next. An RT request may also overwrite BE KV: the allocator decides.
+        if num_tokens > self.available_tokens() and not self.overwrites(owner):
+            return False
         evictable = self.tree.evictable_tokens
         blocks = self._blocks
         if blocks is None or not evictable:  # token pools: free + evictable is exact
@@ -275,7 +279,12 @@ class PrefixKVCache:
         kw = self._class_of(owner)
         alloc = self.allocator
         short = num_tokens - alloc.num_free_tokens()
-        if short <= 0:  # nothing to evict: the allocator checks before it changes anything
+        # Nothing to evict (free tokens, or room in the owner's own block; an owner that may
+        # overwrite another class's KV evicts cached prefixes first): the allocator checks
+        # before it changes anything.
+        if short <= 0 or (
+            not self.overwrites(owner) and alloc.can_allocate(owner, num_tokens, **kw)
+        ):
             try:
                 alloc.allocate(owner, num_tokens, **kw)
                 return
