@@ -27,7 +27,7 @@ from typing import Any
 
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
 from sgl_fair.request import Request
-from sgl_fair.router.policies.base import RouterPolicy
+from sgl_fair.router.policies.base import PeerServiceAware, RouterPolicy
 from sgl_fair.router.replica_state import ReplicaState
 from sgl_fair.router.router import Router
 
@@ -47,7 +47,9 @@ class ReplicaRouter(Router):
         self.shared = shared
         self.state = ReplicaState(replica)
         self.last_tag: tuple[int, int, int] | None = None
-        self._on_peer_service = getattr(policy, "on_peer_service", None)
+        self._on_peer_service = (
+            policy.on_peer_service if isinstance(policy, PeerServiceAware) else None
+        )
 
     def queue_len(self, worker: int) -> int:
         own = super().queue_len(worker)

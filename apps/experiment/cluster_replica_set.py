@@ -33,7 +33,7 @@ from sgl_fair.kv_decoder import Stored
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
 from sgl_fair.policies.base import Rejection
 from sgl_fair.request import Request
-from sgl_fair.router.policies.base import RouterPolicy
+from sgl_fair.router.policies.base import PeerServiceAware, RouterPolicy
 from sgl_fair.router.replica import ReplicaRouter
 
 
@@ -61,9 +61,9 @@ class ReplicaSet:
         self._owner: dict[str, int] = {}  # rid -> replica, while in flight
         self._tags: dict[str, tuple[int, int, int]] = {}
         self._feed: deque[tuple[float, int, int, tuple[int, ...]]] = deque()  # due, r, u, path
-        cfg = getattr(self.replicas[0].policy, "config", None)
-        self._w_e = float(getattr(cfg, "extend_weight", 1.0))
-        self._w_o = float(getattr(cfg, "output_weight", 2.0))
+        policy = self.replicas[0].policy  # the service units the lag is measured in
+        weights = policy.service_weights() if isinstance(policy, PeerServiceAware) else (1.0, 2.0)
+        self._w_e, self._w_o = (float(w) for w in weights)
         # per replica: (worker, client) -> [extend, output] tokens it charged itself
         self._own: list[dict[tuple[int, str], list[int]]] = [{} for _ in self.replicas]
         self._truth: dict[tuple[int, str], float] = {}  # all replicas' charges, service units

@@ -349,8 +349,7 @@ def cluster_oit_settings(
                              "--cluster-oit on")  # fmt: skip
         return False, {}
     merged: dict[str, Any] = {}
-    fields_ = getattr(policy_class(schedule_policy).Config, "__dataclass_fields__", {})
-    if "limits" in fields_:  # fairserve and its variants: share their OIT options
+    if PolicyTraits.of(policy_class(schedule_policy)).shares_oit_options:  # fairserve and kin
         merged = {k: sched_opts[k] for k in SHARED_KEYS if k in sched_opts}
     for key, value in opts.items():
         if key == "limits" and isinstance(value, dict) and isinstance(merged.get(key), dict):

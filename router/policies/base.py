@@ -59,6 +59,23 @@ class RouterPolicy(Protocol):
     def on_worker_removed(self, worker: int) -> None: ...
 
 
+@runtime_checkable
+class PeerServiceAware(Protocol):
+    """A router policy that keeps per-client service (D2LPM) and takes the service other
+    router replicas dispatched, as the workers' reports bring it (``router/replica.py``)."""
+
+    def service_weights(self) -> tuple[float, float]:
+        """``(w_e, w_o)``: service units per extend token charged and per output token."""
+        ...
+
+    def on_peer_service(
+        self, worker: int, client: str, extend: int, output: int, view: RouterView
+    ) -> None:
+        """Charge ``client`` on ``worker`` for ``extend`` and ``output`` tokens that other
+        replicas dispatched (never this replica's own: the replica state excludes them)."""
+        ...
+
+
 class BaseRouterPolicy:
     """No-op hooks; subclasses define ``Config`` (a frozen dataclass) and ``select``."""
 

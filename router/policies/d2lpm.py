@@ -265,6 +265,9 @@ class D2LPM(BaseRouterPolicy):
         if self._work is not None:
             self._work.finished(msg)
 
+    def service_weights(self) -> tuple[float, float]:
+        return self.config.extend_weight, self.config.output_weight
+
     def on_peer_service(
         self, worker: int, client: ClientId, extend: int, output: int, view: RouterView
     ) -> None:

@@ -224,6 +224,7 @@ class PolicyTraits:
     admission_order: bool
     batch_selecting: bool
     weighted: bool
+    shares_oit_options: bool
 
     @classmethod
     def of(cls, policy_cls: type) -> PolicyTraits:
@@ -234,6 +235,7 @@ class PolicyTraits:
             admission_order=base and policy_cls.admission_order,  # type: ignore[attr-defined]
             batch_selecting=issubclass(policy_cls, BatchSelecting),
             weighted=issubclass(policy_cls, Weighted),
+            shares_oit_options=base and policy_cls.shares_oit_options,  # type: ignore[attr-defined]
         )
 
 
@@ -258,6 +260,9 @@ class BasePolicy:
     # Set per instance by a batch-selecting policy (BROS's ``recompute_blocked``): a chosen
     # decode that finds no KV block is retracted itself (``PolicyCaps.recomputes_blocked``).
     recomputes_blocked: bool = False
+    # Its options include the OIT's (``limits``, windows): the router's cluster OIT takes
+    # them as its defaults (``--cluster-oit on`` with FairServe; ``apps/launch/config.py``).
+    shares_oit_options: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else self.Config()

@@ -80,6 +80,7 @@ INTERACTION_MODES = ("started", "running", "off")
 @register("fairserve")
 class FairServe(BasePolicy):
     shares_running = True
+    shares_oit_options = True
 
     @dataclass(frozen=True)
     class Config:
