@@ -20,10 +20,9 @@ Invariants (``check_invariants()`` proves them; tests call it after every operat
 * ``owners`` (the router's worker ids) are downward-closed: ``owners(child) ⊆ owners(parent)``,
   so "worker u holds this prefix" is a path property and an owner-aware match stops at the
   first node without ``u``;
-* ``total_tokens == evictable_tokens + locked_tokens``, each maintained in O(1).
-
-Access times are a logical clock (one tick per ``match``/``insert``), so eviction order is
-deterministic in tests and in the simulator.
+* ``total_tokens == evictable_tokens + locked_tokens``, each maintained in O(1);
+* access times are a logical clock (one tick per ``match``/``insert``): eviction order is
+  deterministic in tests and in the simulator.
 """
 
 from __future__ import annotations
@@ -432,9 +431,7 @@ class RadixTree:
         if child.slots is not None:
             upper.slots, child.slots = child.slots[:at], child.slots[at:]
         parent.children[upper.key[0]] = upper
-        # A match that ended at `parent` and ran partly into this edge may grow through
-        # the branch about to be added at `upper`.
-        self._bump(parent)
+        self._bump(parent)  # a match ending at `parent`, partly into this edge, may grow
         child.key = child.key[at:]
         child.parent = upper
         self._num_nodes += 1
@@ -461,8 +458,6 @@ class RadixTree:
     def _check_attached(self, node: Node) -> None:
         if node is not self.root and node.parent is None:
             raise ValueError(f"node is no longer in the tree: {node!r}")
-
-    # ---- invariants ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the structure or a counter is inconsistent."""
