@@ -112,6 +112,11 @@ class Router:
 
     # ---- dispatch --------------------------------------------------------------------------
 
+    def take_tag(self, rid: str) -> tuple[int, int, int] | None:
+        """The ``(replica, seq, charge)`` tag of ``rid``'s dispatch: None, a single router
+        tags nothing (router replicas do: ``router/replica.py``)."""
+        return None
+
     def dispatch(self, req: Request, now: float) -> Dispatch:
         """Choose a worker for ``req`` and record it; raises RuntimeError if none is alive."""
         if not self._workers:

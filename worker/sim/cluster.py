@@ -21,7 +21,7 @@ calls, closed loop) and/or plain open-loop requests.
 **Service reports** (``ClusterConfig.report_period_s``; router replicas, ``docs/replicas.md``).
 Each worker keeps a ``ServiceLedger`` and sends its totals with a ``Load`` every
 ``report_period_s``, idle or not (the last such tick ends with the run's other events). A
-dispatch is tagged ``(replica, seq, charge)`` when the router has ``take_tag(rid)``; the
+dispatch is tagged ``(replica, seq, charge)`` by ``take_tag(rid)`` (None for one router); the
 tag travels with it, as the live ``Dispatch`` would carry it.
 """
 
@@ -66,12 +66,23 @@ class ProgramLike(Protocol):
 
 
 class RouterLike(Protocol):
-    """``throttle(req, now) -> Rejection | None``, when the router has it, is asked first (the
-    cluster OIT): a refused call is recorded rejected and never reaches a worker."""
+    """What the simulator drives: ``router.Router`` and the experiments' replica set."""
+
+    def throttle(self, req: Request, now: float) -> Rejection | None:
+        """Asked first for each arriving call (the cluster OIT; None when it is off): a refused
+        call is recorded rejected and never reaches a worker."""
+        ...
 
     def dispatch(self, req: Request, now: float) -> Dispatch: ...
 
+    def take_tag(self, rid: str) -> tuple[int, int, int] | None:
+        """The ``(replica, seq, charge)`` the dispatch of ``rid`` carries to its worker (router
+        replicas); None for a single router."""
+        ...
+
     def handle(self, msg: Any, now: float) -> None: ...
+
+    def check_invariants(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -207,8 +218,7 @@ def simulate_cluster(
     for req in requests:
         push(req.arrival_s, _CALL, (None, req))
 
-    throttle = getattr(router, "throttle", None)  # the router's cluster OIT, if any
-    take_tag = getattr(router, "take_tag", None)  # (replica, seq, charge) of a dispatch
+    throttle, take_tag = router.throttle, router.take_tag
     ticks = 0  # report ticks and the reports they sent, in the heap
     if period is not None:
         for w in workers:
@@ -303,7 +313,7 @@ def simulate_cluster(
         elif kind == _CALL:
             prog, req = payload
             submitted.append(req)
-            rejection = throttle(req, t) if throttle is not None else None
+            rejection = throttle(req, t)
             if rejection is not None:  # the router's cluster OIT refused it: never sent
                 _refuse(req, rejection)
                 if prog is not None:
@@ -312,7 +322,7 @@ def simulate_cluster(
                 owner[req.rid] = prog
                 calls[req.rid] = req
                 dispatch = router.dispatch(req, t)
-                tag = take_tag(req.rid) if take_tag is not None else None
+                tag = take_tag(req.rid)
                 push(t + delay, _TO_WORKER, (dispatch, tag))
         else:  # _START
             started_programs += 1
@@ -360,9 +370,7 @@ def _refuse(req: Request, rejection: Rejection) -> None:
         )  # fmt: skip
 
 
-def _check(workers: Sequence[SimWorker], router: Any) -> None:
+def _check(workers: Sequence[SimWorker], router: RouterLike) -> None:
     for w in workers:
         w.scheduler.check_invariants()
-    check = getattr(router, "check_invariants", None)
-    if check is not None:
-        check()
+    router.check_invariants()
