@@ -36,12 +36,26 @@ from sgl_fair.remote import (
 )
 from sgl_fair.request import Request
 from sgl_fair.router.liveness import WorkerState
+from sgl_fair.router.service import reap
 from sgl_fair.transport import WireError, decode, encode
 
 log = logging.getLogger("sgl_fair.router")
 
 
 _DISPATCH_KIND = encode(Dispatch(0, Request("k", "c", (1,), 1, 0.0), 0.0))[0]
+
+
+def send_now(sock: zmq.asyncio.Socket, parts: list[Any], copy: bool = True) -> None:
+    """Send ``parts`` without waiting (``zmq.Again`` when it cannot go now) through the
+    asyncio socket's own API. A send on a socket whose receive another task awaits must go
+    this way: zmq's FD is edge-triggered, a send can consume the edge that says "readable",
+    and only pyzmq's own send wakes the waiting receive then. The synchronous
+    ``zmq.Socket.send`` does not: the link's receive loop could sleep on a Hello or Tokens
+    already queued (a worker seen silent under load)."""
+    fut = sock.send_multipart(parts, zmq.NOBLOCK, copy=copy)  # resolved at once
+    exc = fut.exception()
+    if exc is not None:
+        raise exc
 
 
 class _Sender:
@@ -59,9 +73,9 @@ class _Sender:
         if tag is not None and data[0] == _DISPATCH_KIND:
             self.router.last_tag = None
             frame = encode_control(DispatchTag(*tag))
-            zmq.Socket.send_multipart(self.sock, [frame, data], flags, copy=copy)
+            send_now(self.sock, [frame, data], copy=copy)
             return
-        zmq.Socket.send(self.sock, data, flags, copy=copy)
+        send_now(self.sock, [data], copy=copy)
 
     def close(self, linger: int | None = None) -> None:
         self.sock.close(linger=linger)
@@ -133,7 +147,7 @@ class RemoteLink:
         to ``attach_period_s`` once it says Hello."""
         while True:
             with contextlib.suppress(zmq.Again):
-                zmq.Socket.send(self.sock, attach(self.name), zmq.NOBLOCK)
+                send_now(self.sock, [attach(self.name)])
             w = self.service.workers.get(self.wid)
             if w is None or w.alive:
                 self.backoff_s = self.attach_period_s
@@ -177,12 +191,10 @@ class RemoteLink:
         """Leave: the worker aborts this replica's requests; the service forgets ``wid``."""
         if detach:
             with contextlib.suppress(zmq.ZMQError):
-                zmq.Socket.send(self.sock, encode_control(Detach(self.name)), zmq.NOBLOCK)
+                send_now(self.sock, [encode_control(Detach(self.name))])
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await reap(self._tasks)
         svc = self.service
         for t in self._tasks:
             with contextlib.suppress(ValueError):

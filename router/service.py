@@ -82,6 +82,17 @@ class Call:
         return self.req.rid
 
 
+async def reap(tasks: list[asyncio.Task]) -> None:
+    """Wait until ``tasks`` (already cancelled, or ending) are done, whatever they raise. A
+    cancellation of the *caller* still ends the caller: ``asyncio.wait`` passes it on, where
+    ``suppress(CancelledError)`` around ``await task`` swallowed it (a loop that was closing
+    a link when it was cancelled then looped on forever)."""
+    me = asyncio.current_task()
+    pending = [t for t in tasks if t is not me and not t.done()]
+    if pending:
+        await asyncio.wait(pending)
+
+
 class RouterService(WorkerLiveness):
     def __init__(
         self,
@@ -130,6 +141,8 @@ class RouterService(WorkerLiveness):
     async def start(self) -> None:
         self.actx = zmq.asyncio.Context()
         self.sctx = zmq.Context()
+        for ctx in (self.actx, self.sctx):  # frames for a peer that is gone never block exit
+            ctx.setsockopt(zmq.LINGER, 0)
         ep = self.endpoints
         self.pull = self.actx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
@@ -188,9 +201,7 @@ class RouterService(WorkerLiveness):
             self._fail(call, "server is shutting down", 503)
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await reap(self._tasks)
         await asyncio.sleep(0.05)  # let the Shutdown frames leave
         for sock in [self.pull, *self.push.values(), *self.subs.values()]:
             sock.close(linger=0)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 
 def free_port_pair() -> int:
@@ -25,9 +29,17 @@ def free_port_pair() -> int:
 
 
 def start_worker(port: int, *extra: str) -> subprocess.Popen:
+    """Start a worker and wait for its banner. Its output goes to a file, not a pipe: a pipe
+    that nobody reads fills up and blocks the worker mid-run (it then looks dead)."""
     cmd = [sys.executable, "-m", "sgl_fair.worker", "--bind", f"tcp://127.0.0.1:{port}",
-           "--log-level", "warning", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # its banner: it is up
-    assert "serving routers" in line, proc.stderr.read()
+           "--log-level", os.environ.get("SGLFAIR_TEST_WORKER_LOG", "warning"), *extra]  # fmt: skip
+    fd, log_path = tempfile.mkstemp(prefix="sgl-fair-worker-", suffix=".log")
+    with os.fdopen(fd, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60.0
+    while "serving routers" not in Path(log_path).read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"worker did not start: {Path(log_path).read_text()}")
+        time.sleep(0.05)
     return proc
