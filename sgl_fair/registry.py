@@ -17,8 +17,21 @@ importing the registry never imports every policy.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+
+def build_config(kind: str, name: str, config_cls: type, options: Mapping[str, Any]) -> Any:
+    """``config_cls(**options)`` for ``kind`` ``name`` (a policy, an allocator, an engine);
+    an unknown option is a one-line ``ValueError`` that lists the known ones."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"{kind} {name!r} has no option {unknown[0]!r}; "
+            f"options: {', '.join(sorted(fields)) or '(none)'}"
+        )
+    return config_cls(**options)
 
 
 class Registry:
@@ -66,15 +79,7 @@ class Registry:
 
     def config(self, name: str, **options: Any) -> Any:
         """``name``'s ``Config(**options)``; unknown options raise a one-line ValueError."""
-        cls = self.get(name)
-        fields = {f.name for f in dataclasses.fields(cls.Config)}
-        unknown = sorted(set(options) - fields)
-        if unknown:
-            raise ValueError(
-                f"{self.kind} {name!r} has no option {unknown[0]!r}; "
-                f"options: {', '.join(sorted(fields)) or '(none)'}"
-            )
-        return cls.Config(**options)
+        return build_config(self.kind, name, self.get(name).Config, options)
 
     def make(self, name: str, **options: Any) -> Any:
         """Build ``name`` with ``Config(**options)``; unknown options raise a ValueError."""

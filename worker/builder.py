@@ -31,12 +31,12 @@ a simulated worker never imports torch.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 from sgl_fair.policies.base import Policy
+from sgl_fair.registry import build_config
 from sgl_fair.worker.engine import Engine
 from sgl_fair.worker.kv.base import KVAllocator
 from sgl_fair.worker.kv.prefix_cache import PrefixKVCache
@@ -100,14 +100,7 @@ def engine_kind(name: str) -> EngineKind:
 
 def engine_config(kind: EngineKind, name: str, options: Mapping[str, Any]) -> Any:
     """``kind.Config(**options)``; an unknown option is a one-line ``ValueError``."""
-    fields = {f.name for f in dataclasses.fields(kind.Config)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"engine {name!r} has no option {unknown[0]!r}; "
-            f"options: {', '.join(sorted(fields)) or '(none)'}"
-        )
-    return kind.Config(**options)
+    return build_config("engine", name, kind.Config, options)
 
 
 def build_worker(
