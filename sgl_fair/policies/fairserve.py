@@ -57,7 +57,7 @@ interaction of its own (it starts one).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +74,9 @@ from sgl_fair.policies.fairserve_queue import WaitingIndex, reference_walk
 from sgl_fair.request import ClientId, Request
 
 CHARGE_MODES = ("admission", "finish")
+# Learned (app, stage) weights held at most: apps and stages come from clients, so past this
+# many the least recently finished stage is forgotten (it starts again from its seed).
+MAX_STAGES = 4096
 INTERACTION_MODES = ("started", "running", "off")
 
 
@@ -134,7 +137,8 @@ class FairServe(BasePolicy):
         self.counters: dict[ClientId, float] = {}
         self._floors = Floors(self.counters, self.active)
         self.windows = Windows(self.config.limits)
-        self._stage_mean: dict[tuple[str, int], tuple[float, int]] = {}  # (mean, n)
+        # (app, stage) -> (mean, n), least recently learned first; `_out_mean` has its keys
+        self._stage_mean: OrderedDict[tuple[str, int], tuple[float, int]] = OrderedDict()
         self._out_mean: dict[tuple[str, int], float] = {}
         # id(req) -> (service charged at admission, the w it was priced at (None: the w at
         # finish), the part of it that is expected output, unsettled), from the 1st admission
@@ -218,8 +222,16 @@ class FairServe(BasePolicy):
             seed = self._seed(req)
             mean, n = (seed, self.config.seed_count) if seed is not None else (0.0, 0)
         self._stage_mean[key] = (mean + (raw - mean) / (n + 1), n + 1)
+        self._stage_mean.move_to_end(key)
         prev = self._out_mean.get(key)
         self._out_mean[key] = req.num_output if prev is None else 0.8 * prev + 0.2 * req.num_output
+        if len(self._stage_mean) > MAX_STAGES:
+            oldest, _ = self._stage_mean.popitem(last=False)
+            del self._out_mean[oldest]
+
+    def learned_stages(self) -> int:
+        """How many (app, stage) weights the policy holds (at most ``MAX_STAGES``)."""
+        return len(self._stage_mean)
 
     # ---------------------------------------------------------------- arrival (lift + OIT)
 

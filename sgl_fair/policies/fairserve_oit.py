@@ -27,13 +27,17 @@ Limits (requests per ``window_s``):
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sgl_fair.request import ClientId
 
 _NO_APP = ""
+# Apps whose windows and means are held at most: app names come from clients, so past this
+# many the least recently seen app is forgotten (on its next call it is new: no app limit
+# until a window has passed). Its users' windows go when they empty, as for every user.
+MAX_APPS = 4096
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Windows:
         self._derived_user: dict[str, int] = {}
         self._app_mean: dict[str, float] = {}  # EWMA of per-window counts
         self._window_start: dict[str, tuple[float, int]] = {}  # app -> (start, count)
+        self._recent: OrderedDict[str, None] = OrderedDict()  # apps, least recent first
         self._next_refresh_s = 0.0
 
     def count(self, user: ClientId, app: str | None, now: float) -> None:
@@ -81,6 +86,10 @@ class Windows:
         self._user_all.setdefault(user, deque()).append(now)
         self._app.setdefault(a, deque()).append(now)
         self._roll_app_window(a, now)
+        self._recent[a] = None
+        self._recent.move_to_end(a)
+        if len(self._recent) > MAX_APPS:
+            self._forget_app(next(iter(self._recent)))
         if now >= self._next_refresh_s:
             self._refresh(now)
 
@@ -150,7 +159,16 @@ class Windows:
             )
         return None
 
+    def apps_held(self) -> int:
+        """How many apps' windows and means are held (at most ``MAX_APPS``)."""
+        return len(self._recent)
+
     # ------------------------------------------------------------ internals
+
+    def _forget_app(self, app: str) -> None:
+        del self._recent[app]
+        for held in (self._app, self._app_mean, self._window_start, self._derived_user):
+            held.pop(app, None)
 
     def _prune(self, times: deque[float] | None, now: float) -> deque[float]:
         if times is None:

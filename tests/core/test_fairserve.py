@@ -389,3 +389,27 @@ def test_oit_limit_zero_throttles_every_new_interaction_and_negative_is_refused(
         make_policy("fairserve", limits={"app_limits": {"chat": -1}})
     with pytest.raises(ValueError, match="window_s"):
         make_policy("fairserve", limits={"window_s": 0})
+
+
+def test_per_app_state_is_bounded_however_many_app_names_clients_send() -> None:
+    """Apps and stages come from clients: a client naming a new app (or stage) on every call
+    must not grow the policy's memory for the server's lifetime. Past ``MAX_APPS`` apps (and
+    ``MAX_STAGES`` learned stages) the least recently seen is forgotten; a busy app is not."""
+    from sgl_fair.policies.fairserve import MAX_STAGES
+    from sgl_fair.policies.fairserve_oit import MAX_APPS
+
+    p = make_policy("fairserve", max_waiting=0, limits={"window_s": 1.0, "refresh_s": 0.5})
+    d = Driver(p)
+    n = MAX_APPS + MAX_STAGES + 500
+    for i in range(n):
+        d.view.now = i * 0.01
+        for app in (f"junk{i}", "chat"):  # "chat" keeps calling between the junk
+            req = call("u", app=app, stage=i % 3)
+            assert d.arrive(req) or req.reject_reason
+            if req in d.waiting:
+                d.admit(len(d.waiting))
+                d.finish(req)
+    assert p.windows.apps_held() <= MAX_APPS
+    assert p.learned_stages() <= MAX_STAGES
+    assert p.windows.app_limit("chat") is not None  # the busy app kept its history
+    assert p.stage_weight(call("u", app="chat", stage=0)) is not None
