@@ -39,6 +39,7 @@ class WorkerState:
     pid: int | None = None
     engine: str = ""
     kv_capacity_tokens: int = 0
+    context_len: int = 0  # from its Hello; 0: not known
     last_seen: float = 0.0
     death: str | None = None
     process: Any = None  # multiprocessing.Process when the launcher started it
@@ -150,6 +151,7 @@ class WorkerLiveness:
         w.pid = msg.pid
         w.engine = msg.engine
         w.kv_capacity_tokens = msg.kv_capacity_tokens
+        w.context_len = msg.context_len
         w.last_seen = self.clock()
         self.router.add_worker(msg.worker)
         self.telemetry.worker_alive(msg.worker, True)

@@ -154,6 +154,7 @@ class Hello(msgspec.Struct, frozen=True, gc=False):
     kv_capacity_tokens: int
     engine: str  # e.g. "sim H100-80GB Llama-3.1-8B"
     version: int = PROTOCOL_VERSION
+    context_len: int = 0  # the longest sequence its model serves; 0: not known
 
 
 class Flushed(msgspec.Struct, frozen=True, gc=False):

@@ -23,7 +23,10 @@ needs and never branches on its name. A kind (``EngineKind``) declares:
 * ``make_engine(config, scheduler, allocator, cost_model)``: the engine over the built
   scheduler and its allocator;
 * ``live_parts(cfg)`` and ``describe(cfg)``: ``build_worker`` keyword arguments and the
-  engine's one-line name for the live worker's ``LiveWorkerConfig``.
+  engine's one-line name for the live worker's ``LiveWorkerConfig``;
+* ``context_len(parts)``: the longest sequence (prompt and output) the engine built from
+  ``live_parts``'s ``parts`` serves, or None if it has no bound; a live worker's Hello
+  carries it to the router.
 
 The built-in kinds (``sim``, ``torch``) are imported only when first asked for, so building
 a simulated worker never imports torch.
@@ -63,6 +66,8 @@ class EngineKind(Protocol):
     def live_parts(self, cfg: Any) -> dict[str, Any]: ...
 
     def describe(self, cfg: Any) -> str: ...
+
+    def context_len(self, parts: Mapping[str, Any]) -> int | None: ...
 
 
 # name -> the kind, or "module:attribute" where it lives (imported on first use)

@@ -84,16 +84,22 @@ def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
     """The worker on engine ``cfg.backend`` (``worker.builder``'s registry: ``sim`` or
     ``torch``, which imports torch only when asked for); its kind reads what it needs from
     ``cfg``."""
+    return build_live(cfg)[0]
+
+
+def build_live(cfg: LiveWorkerConfig) -> tuple[WorkerCore, int | None]:
+    """``build_core``, and the longest sequence its engine serves (None: no bound)."""
     kind = engine_kind(cfg.backend)
+    parts = kind.live_parts(cfg)
     sched, engine = build_worker(
         policy=make_policy(cfg.policy, **cfg.policy_opts),
         engine=cfg.backend,
         config=cfg.scheduler,
         allocator=cfg.kv_allocator,
         allocator_opts=cfg.kv_allocator_opts,
-        **kind.live_parts(cfg),
+        **parts,
     )
-    return WorkerCore(
+    core = WorkerCore(
         cfg.wid,
         sched,
         engine,
@@ -102,12 +108,13 @@ def build_core(cfg: LiveWorkerConfig) -> WorkerCore:
         kv_changes=True,
         keep_log=False,  # serving for days: hold only what is in flight
     )
+    return core, kind.context_len(parts)
 
 
 class LiveWorker:
     def __init__(self, cfg: LiveWorkerConfig, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
-        self.core = build_core(cfg)
+        self.core, self.context_len = build_live(cfg)
         self.encoder = kv_events.KVEventEncoder(page_size=cfg.kv_page_size)
         self.ctx = ctx or zmq.Context.instance()
         self.open_sockets()
@@ -140,7 +147,7 @@ class LiveWorker:
         core = self.core
         return Hello(
             self.cfg.wid, time.time(), os.getpid(), core.scheduler.kv.capacity_tokens,
-            self.engine_name(),
+            self.engine_name(), context_len=self.context_len or 0,
         )  # fmt: skip
 
     # ---- io ---------------------------------------------------------------------------------

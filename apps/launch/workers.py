@@ -159,6 +159,12 @@ class RemoteWorkers(Workers):
             if u not in members:
                 router.remove_worker(u)
 
+    async def ready(self, state: Any) -> None:
+        """Every worker said Hello: their KV pools and their models' context lengths (the
+        shortest of each) replace the numbers the router started from."""
+        contexts = [w.context_len for w in state.service.workers.values() if w.context_len]
+        state.adopt_engine_limits(context_len=min(contexts) if contexts else None, model_name=None)
+
     def startup_error(self, e: Exception) -> str:
         return (f"{e}: is `python -m sgl_fair.worker --bind ...` running at "
                 f"{', '.join(self.cfg.worker_endpoints)} (and --worker-keys right)?")  # fmt: skip

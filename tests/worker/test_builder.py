@@ -18,7 +18,12 @@ from sgl_fair.request import Request
 from sgl_fair.worker import builder
 from sgl_fair.worker.builder import build_worker, engine_kind, register_engine
 from sgl_fair.worker.engine import StepResult
-from sgl_fair.worker.live import TORCH_DEFAULT_KV_TOKENS, LiveWorkerConfig, build_core
+from sgl_fair.worker.live import (
+    TORCH_DEFAULT_KV_TOKENS,
+    LiveWorkerConfig,
+    build_core,
+    build_live,
+)
 from sgl_fair.worker.sim.cost_model import CostModel
 from sgl_fair.worker.sim.engine import SimEngine
 from sgl_fair.worker.sim.runner import simulate
@@ -113,6 +118,8 @@ def test_live_sim_core_from_its_config():
     assert not engine_kind("sim").synchronous
     cfg = LiveWorkerConfig(wid=0, endpoints="x", eos_token_id=7, eos_lengths=EosLengths())
     assert build_core(cfg).engine.eos_token_id == 7
+    # the context length its Hello carries: the simulated model's
+    assert build_live(LiveWorkerConfig(wid=0, endpoints="x", model="Llama-2-7B"))[1] == 4096
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
@@ -126,3 +133,4 @@ def test_live_torch_core_from_its_config():
     assert core.scheduler.kv.capacity_tokens == TORCH_DEFAULT_KV_TOKENS == LIVE_DEFAULT_KV_TOKENS
     assert engine_kind("torch").synchronous
     assert engine_kind("torch").describe(cfg) == "torch tiny (reference, float32)"
+    assert build_live(cfg)[1] == 8192  # the tiny preset's positions

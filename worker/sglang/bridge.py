@@ -223,7 +223,9 @@ class Bridge:
             if warning is not None:
                 log.warning("bridge %d: SGLang server %s: %s", cfg.wid, self.url, warning)
         kv_cap = self.info.kv_capacity_tokens
-        self.send(Hello(cfg.wid, time.time(), os.getpid(), kv_cap, self.info.engine))
+        hello = Hello(cfg.wid, time.time(), os.getpid(), kv_cap, self.info.engine,
+                      context_len=self.info.context_len or 0)  # fmt: skip
+        self.send(hello)
         log.info("bridge %d: %s ready (%s)", cfg.wid, self.url, self.info.engine)
         for coro in (self._load_loop(), self._health_loop(), self._poll_loads()):
             self._spawn(coro)

@@ -20,6 +20,7 @@ with that id, as a model's output ends with EOS.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,3 +161,6 @@ class SimEngineKind:
 
     def describe(self, cfg: Any) -> str:
         return f"sim {cfg.gpu} {cfg.model}"
+
+    def context_len(self, parts: Mapping[str, Any]) -> int | None:
+        return parts["cost_model"].model.context_len

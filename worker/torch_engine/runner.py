@@ -9,6 +9,7 @@ Iteration costs for batch-selecting policies (BROS) still come from a cost model
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,3 +143,6 @@ class TorchEngineKind:
 
     def describe(self, cfg: Any) -> str:
         return f"torch {cfg.model} ({cfg.torch_attention}, {cfg.torch_dtype})"
+
+    def context_len(self, parts: Mapping[str, Any]) -> int | None:
+        return parts["engine_opts"]["model"].config.max_position
