@@ -64,8 +64,8 @@ class Backend:
     # Its workers are SGLang servers: SGLang's own flags (unknown ones, --api-key,
     # --schedule-low-priority-values-first) mean something to them.
     sglang_servers: ClassVar[bool] = False
-    # Its workers can run standalone (``python -m sgl_fair.worker``), so ``--router-replicas``
-    # can start them once and put several routers over them.
+    # Its workers can be shared by several routers (``replica_workers``), so
+    # ``--router-replicas`` can start them once and put several routers over them.
     replicable: ClassVar[bool] = True
 
     def implied_by(self, a: argparse.Namespace) -> bool:
@@ -123,6 +123,14 @@ class Backend:
         from sgl_fair.launch.workers import LocalWorkers
 
         return LocalWorkers(cfg, self)
+
+    def replica_workers(self, cfg: LaunchConfig, avoid: set[int]) -> Any:
+        """``--router-replicas``: the workers started once for every replica (a
+        ``replicas.ReplicaWorkers``; ``avoid``: ports the replicas take). Here: standalone
+        ``python -m sgl_fair.worker`` processes on loopback."""
+        from sgl_fair.launch.replicas import StandaloneWorkers
+
+        return StandaloneWorkers(cfg, avoid)
 
     def engine_label(self, state: Any) -> str:
         """The engine, as the ``ready`` line names it."""
@@ -190,7 +198,6 @@ class SGLangBackend(Backend):
     features = EngineFeatures(passthrough=True)
     kv_allocator = False
     sglang_servers = True
-    replicable = False  # the bridges live with the launcher (SGLang servers: issue 34 left)
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         return bool(a.worker_url)
@@ -236,6 +243,13 @@ class SGLangBackend(Backend):
 
     def cost_tp(self, tp: int | None) -> int | None:
         return None  # the servers' own; the sim's numbers only stand in until they report
+
+    def replica_workers(self, cfg: LaunchConfig, avoid: set[int]) -> Any:
+        """The SGLang servers (started here, or the ``--worker-url`` ones) that every
+        replica's bridges reach."""
+        from sgl_fair.launch.sglang import SharedServers
+
+        return SharedServers(cfg, avoid)
 
     def server_args(self, a: argparse.Namespace, passthrough: Sequence[str]) -> tuple[str, ...]:
         # SGLang's own flag: the servers the launcher starts get it too

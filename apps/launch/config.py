@@ -229,8 +229,8 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         if a.router_replicas < 1:
             bad(f"--router-replicas must be >= 1 (got {a.router_replicas})")
         if not backend.replicable:
-            bad(f"--router-replicas: --backend {backend.name} workers cannot run standalone "
-                "(sim and torch can)")  # fmt: skip
+            bad(f"--router-replicas: --backend {backend.name} starts no workers to share; run "
+                "one router per replica with the same --worker-endpoint list")  # fmt: skip
         if a.port + a.router_replicas - 1 > 65535:
             bad(f"--port {a.port} + --router-replicas {a.router_replicas} passes 65535")
     if a.tenant_limits_split < 1:

@@ -226,8 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--router-replicas", type=int, default=None, metavar="R",
-        help="start --dp standalone workers and R router replicas over them, on ports "
-        "--port .. --port+R-1 (sim, torch; for trying replicas on one host)",
+        help="start --dp workers (standalone sim/torch workers, or SGLang servers) and R router "
+        "replicas over them, on ports --port .. --port+R-1 (for trying replicas on one host)",
     )  # fmt: skip
     p.add_argument(
         "--replica-state", choices=("shared", "independent"), default="shared",

@@ -6,8 +6,15 @@ For trying replicas and for tests; in production each replica is its own
 
     launcher (this process: starts, watches, stops)
       ├─ worker 0..dp-1      worker.remote on tcp://HOST:Q, Q+2, ...  (KV events on Q+1, ...)
-      └─ replica 0..R-1      the launcher's own serve(), --worker-endpoint every worker,
-                             HTTP on --port P+i
+      │                      or, with --backend sglang, dp SGLang servers with our plugin
+      └─ replica 0..R-1      the launcher's own serve(), --worker-endpoint every worker (or
+                             --worker-url every SGLang server), HTTP on --port P+i
+
+The backend says which workers (``Backend.replica_workers``): standalone sim/torch workers
+(``StandaloneWorkers``, below), or SGLang servers (``apps/launch/sglang.py``) that every
+replica's bridges reach over HTTP, each server's KV events followed by every replica. SGLang
+servers report no per-client service (``docs/replicas.md``), so over them the replicas'
+D2LPM deficits are per replica; the servers' own fair policy sees every replica's requests.
 
 Tenants, keys and limits come from the same ``--tenants`` file in every replica. The limits
 that must hold for the whole cluster are split: each replica enforces ``1/R`` of every
@@ -34,7 +41,7 @@ import sys
 import tempfile
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 from sgl_fair.config import Tenant, TenantDefaults, TenantTable
 
@@ -104,11 +111,65 @@ def _replica_main(cfg: Any, ready_file: str) -> None:
     sys.exit(serve(cfg, ready_file=ready_file))
 
 
-def _spawn(target: Any, args: tuple, name: str) -> Any:
+def _spawn(target: Any, args: tuple, name: str, *, daemon: bool = True) -> Any:
+    """A spawned process. A daemon is stopped with the launcher, but may not start processes
+    of its own: a replica over SGLang servers starts its bridges, so replicas are not
+    daemons (the launcher stops them itself, ``serve_replicas``)."""
     proc = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name)
-    proc.daemon = True  # stopped with the launcher (neither kind starts processes of its own)
+    proc.daemon = daemon
     proc.start()
     return proc
+
+
+class ReplicaWorkers(Protocol):
+    """The workers ``--router-replicas`` starts once and puts every replica over."""
+
+    shares_service: bool  # they report per-client service (the replicas' shared state)
+
+    def start(self) -> None: ...
+
+    def replica_options(self) -> dict[str, Any]:
+        """The ``LaunchConfig`` fields that put a replica over these workers."""
+        ...
+
+    def describe(self) -> str:
+        """The workers, for the ``ready`` line."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+class StandaloneWorkers:
+    """``dp`` standalone sim/torch workers (``worker.remote``) on loopback tcp ports."""
+
+    shares_service = True
+
+    def __init__(self, cfg: Any, avoid: set[int]) -> None:
+        self.cfg = cfg
+        ports = free_port_pairs(cfg.host, cfg.dp, set(avoid))
+        self.endpoints = [f"tcp://{cfg.host}:{q}" for q in ports]
+        self.procs: list[Any] = []
+
+    def start(self) -> None:
+        from sgl_fair.worker.remote import remote_worker_main
+
+        configs = worker_configs(self.cfg, self.endpoints)
+        self.procs = [
+            _spawn(remote_worker_main, (wcfg, ep, None, None, True), f"sgl-fair-worker-{i}")
+            for i, (wcfg, ep) in enumerate(zip(configs, self.endpoints, strict=True))
+        ]
+
+    def replica_options(self) -> dict[str, Any]:
+        return {"backend": "remote", "worker_endpoints": tuple(self.endpoints)}
+
+    def describe(self) -> str:
+        return f"workers {', '.join(self.endpoints)}"
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+        _join(self.procs, 5.0)
 
 
 def worker_configs(cfg: Any, endpoints: list[str]) -> list[Any]:
@@ -129,32 +190,28 @@ def worker_configs(cfg: Any, endpoints: list[str]) -> list[Any]:
 
 def serve_replicas(cfg: Any) -> int:
     """Start the workers and the replicas; run until SIGINT/SIGTERM; stop them all."""
-    from sgl_fair.worker.remote import remote_worker_main
+    from sgl_fair.launch.backends import backend_of
 
     r = cfg.router_replicas
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    ports = free_port_pairs(cfg.host, cfg.dp, {cfg.port + i for i in range(r)})
-    endpoints = [f"tcp://{cfg.host}:{q}" for q in ports]
-    workers = [
-        _spawn(remote_worker_main, (wcfg, ep, None, None, True), f"sgl-fair-worker-{i}")
-        for i, (wcfg, ep) in enumerate(zip(worker_configs(cfg, endpoints), endpoints, strict=True))
-    ]
+    workers = backend_of(cfg.backend).replica_workers(cfg, {cfg.port + i for i in range(r)})
+    workers.start()
+    shared = cfg.replica_state != "independent" and workers.shares_service
     tmp = tempfile.mkdtemp(prefix="sgl-fair-replicas-")
     replica_cfgs = [
         dataclasses.replace(
             cfg,
             router_replicas=None,
             port=cfg.port + i,
-            backend="remote",
-            worker_endpoints=tuple(endpoints),
             tenant_limits_split=r * cfg.tenant_limits_split,
-            replica_id=None if cfg.replica_state == "independent" else new_replica_id(),
+            replica_id=new_replica_id() if shared else None,
+            **workers.replica_options(),
         )  # fmt: skip
         for i in range(r)
     ]
     ready = [os.path.join(tmp, f"ready{i}") for i in range(r)]
     replicas = [
-        _spawn(_replica_main, (c, ready[i]), f"sgl-fair-replica-{i}")
+        _spawn(_replica_main, (c, ready[i]), f"sgl-fair-replica-{i}", daemon=False)
         for i, c in enumerate(replica_cfgs)
     ]
     stopping = False
@@ -165,22 +222,43 @@ def serve_replicas(cfg: Any) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    try:
+        return _run(cfg, replicas, replica_cfgs, ready, lambda: stopping, workers.describe())
+    finally:
+        for p in replicas:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGINT)
+        _join(replicas, 15.0)
+        workers.stop()
+        with contextlib.suppress(OSError):
+            for f in ready:
+                if os.path.exists(f):
+                    os.remove(f)
+            os.rmdir(tmp)
+
+
+def _run(
+    cfg: Any, replicas: list[Any], replica_cfgs: list[Any], ready: list[str],
+    stopping: Any, workers: str,
+) -> int:  # fmt: skip
+    """Wait for the replicas to start, then restart any that exits, until ``stopping()``;
+    the launcher's exit status (1: a replica did not start)."""
+    r = len(replicas)
     deadline = time.time() + cfg.startup_timeout_s
-    while not stopping and not all(os.path.exists(f) for f in ready):
+    while not stopping() and not all(os.path.exists(f) for f in ready):
         dead = [i for i, p in enumerate(replicas) if not p.is_alive()]
         if dead or time.time() > deadline:
             print(f"launch: error: replicas {dead or 'all'} did not start", file=sys.stderr)
-            stopping = True
-            break
+            return 1
         time.sleep(0.1)
-    if not stopping:
-        urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(r)]
-        print(f"sgl-fair replicas ready at {', '.join(urls)} (pids "
-              f"{', '.join(str(p.pid) for p in replicas)}; workers {', '.join(endpoints)})",
-              flush=True)  # fmt: skip
+    if stopping():
+        return 0
+    urls = [f"http://{cfg.host}:{cfg.port + i}" for i in range(r)]
+    print(f"sgl-fair replicas ready at {', '.join(urls)} (pids "
+          f"{', '.join(str(p.pid) for p in replicas)}; {workers})", flush=True)  # fmt: skip
     backoff = [0.0] * r
     due: list[float | None] = [None] * r
-    while not stopping:
+    while not stopping():
         time.sleep(0.2)
         for i, p in enumerate(replicas):
             if p.is_alive() or cfg.worker_restart_backoff_s <= 0:
@@ -194,21 +272,8 @@ def serve_replicas(cfg: Any) -> int:
             elif now >= due[i]:
                 p.join(0.1)
                 replicas[i] = _spawn(_replica_main, (replica_cfgs[i], ready[i]),
-                                     f"sgl-fair-replica-{i}")  # fmt: skip
+                                     f"sgl-fair-replica-{i}", daemon=False)  # fmt: skip
                 due[i] = None
-    for p in replicas:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGINT)
-    _join(replicas, 15.0)
-    for p in workers:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGTERM)
-    _join(workers, 5.0)
-    with contextlib.suppress(OSError):
-        for f in ready:
-            if os.path.exists(f):
-                os.remove(f)
-        os.rmdir(tmp)
     return 0
 
 

@@ -82,6 +82,50 @@ class SGLangWorkers(Workers):
             self.servers.stop()
 
 
+class SharedServers:
+    """``--router-replicas`` over SGLang: the launcher starts the ``dp`` servers once (or
+    takes the ``--worker-url`` ones) and every replica runs its own bridges to each, as a
+    second router over a running server does (``--worker-url``), following each server's KV
+    events beside the others. The servers' plugin reports no per-client service, so each
+    replica's D2LPM deficits count its own dispatches (``shares_service`` False); the
+    servers' own policy sees every replica's requests."""
+
+    shares_service = False
+
+    def __init__(self, cfg: LaunchConfig, avoid: set[int]) -> None:
+        from sgl_fair.config import load_tenants
+
+        self.cfg = cfg
+        self.servers: ServerGroup | None = None
+        self.urls = list(cfg.worker_urls)
+        self.kv_endpoints = list(cfg.worker_kv_endpoints)
+        if not self.urls:
+            tenants = load_tenants(cfg.tenants) if cfg.tenants else None
+            self.servers = sglang_servers(cfg, tenants, avoid=sorted(avoid))
+            self.urls = [server_url(s.argv) for s in self.servers.servers]
+            self.kv_endpoints = [server_kv_endpoint(s.argv) for s in self.servers.servers]
+
+    def start(self) -> None:
+        if self.servers is not None:
+            log_dir = os.path.dirname(self.servers.servers[0].log_path)
+            print(f"starting {self.cfg.dp} SGLang servers (logs in {log_dir})", flush=True)
+            self.servers.start()
+
+    def replica_options(self) -> dict[str, Any]:
+        return {
+            "backend": "sglang",
+            "worker_urls": tuple(self.urls),
+            "worker_kv_endpoints": tuple(self.kv_endpoints),
+        }
+
+    def describe(self) -> str:
+        return f"SGLang servers {', '.join(self.urls)}"
+
+    def stop(self) -> None:
+        if self.servers is not None:
+            self.servers.stop()
+
+
 def sglang_server_command(
     cfg: LaunchConfig,
     i: int,
@@ -190,10 +234,12 @@ async def probe_servers(urls: Sequence[str], api_key: str | None = None) -> list
         return list(await asyncio.gather(*(probe_server(http, url, 10.0) for url in urls)))
 
 
-def sglang_servers(cfg: LaunchConfig, tenants: TenantTable | None) -> ServerGroup:
+def sglang_servers(
+    cfg: LaunchConfig, tenants: TenantTable | None, avoid: Sequence[int] = ()
+) -> ServerGroup:
     """The ``cfg.dp`` SGLang servers to start, each with free ports and a log file."""
     log_dir = tempfile.mkdtemp(prefix="sgl-fair-sglang-")
-    ports = free_ports(2 * cfg.dp, avoid=(cfg.port,))
+    ports = free_ports(2 * cfg.dp, avoid=(cfg.port, *avoid))
     servers = []
     for i in range(cfg.dp):
         argv, env = sglang_server_command(

@@ -1,0 +1,107 @@
+"""``launch --backend sglang --router-replicas 2`` over a real SGLang server on this CPU.
+
+The launcher starts one SGLang server (our plugin inside, running VTC) and two router
+replicas, each with its own bridge to it and each following its KV events. A flood sent
+through replica 0 and a victim through replica 1 meet in the server's one queue, where the
+plugin sees both: the victim is served ahead of the flood's backlog, as with one router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import live_rig
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "router"))  # the launcher helpers
+from live_helpers import launched  # noqa: E402
+
+pytestmark = [pytest.mark.sglang_server, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("replicas-sglang")
+    mp = pytest.MonkeyPatch()
+    for k, v in live_rig.server_env(cores="0").items():
+        mp.setenv(k, v)
+    args = (
+        "--backend", "sglang", "--dp", "1", "--router-replicas", "2",
+        "--model-path", str(tiny_model), "--schedule-policy", "vtc",
+        "--heartbeat-timeout", "30", *live_rig.CPU_FLAGS,
+        "--max-running-requests", "2", "--chunked-prefill-size", "512",
+    )  # fmt: skip
+    try:
+        with launched(*args, tmp_path=tmp, timeout_s=600) as live:
+            port = int(live.url.rsplit(":", 1)[1])
+            other = f"http://127.0.0.1:{port + 1}"
+            deadline = time.monotonic() + 120
+            while True:  # replica 1's bridge reached the server too
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(other + "/health", timeout=2).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, live.log()
+                time.sleep(0.5)
+            yield live, [live.url, other]
+    finally:
+        mp.undo()
+
+
+async def _generate(http, url, client, n_out, i):
+    body = {
+        "text": f"Once upon a time {client} {i}",
+        "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0},
+        "routing_key": client,
+    }
+    r = await http.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return client, time.monotonic()
+
+
+async def _until_queued(http, url: str, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = await http.get(url + "/v1/loads?include=core", timeout=10)
+        if sum(int(x.get("num_waiting_reqs", 0)) for x in r.json()["loads"]) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the flood never queued {n} requests in SGLang")
+
+
+def test_both_replicas_serve_through_the_one_server(replicas):
+    live, urls = replicas
+    for url in urls:
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        assert info["workers"][0]["alive"], info["workers"]
+        r = httpx.post(
+            url + "/generate",
+            json={"text": "Hello world! What is", "sampling_params": {"max_new_tokens": 4}},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+    assert "SGLang servers http://127.0.0.1:" in live.log()  # one server, both replicas over it
+
+
+def test_a_victim_through_one_replica_goes_ahead_of_a_flood_through_the_other(replicas):
+    _, (a, b) = replicas
+    server = httpx.get(a + "/server_info", timeout=10).json()["workers"][0]["url"]
+
+    async def main() -> list[tuple[str, float]]:
+        async with httpx.AsyncClient() as http:
+            flood = [asyncio.create_task(_generate(http, a, "flood", 32, i)) for i in range(24)]
+            await _until_queued(http, server, 12)
+            sent = time.monotonic()
+            victim = [asyncio.create_task(_generate(http, b, "victim", 8, i)) for i in range(3)]
+            done = await asyncio.gather(*flood, *victim)
+        return sorted([("sent", sent), *done], key=lambda x: x[1])
+
+    order = asyncio.run(main())
+    sent = next(i for i, (c, _) in enumerate(order) if c == "sent")
+    last = max(i for i, (c, _) in enumerate(order) if c == "victim")
+    flood_between = sum(1 for c, _ in order[sent:last] if c == "flood")
+    assert flood_between <= 4, order  # SGLang alone serves 10+ (test_live_plugin's baseline)
