@@ -46,6 +46,7 @@ no information.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
@@ -114,6 +115,32 @@ class ClusterOITConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"cluster OIT: {name} must be > 0 (got {value!r})")
+
+    def split(self, r: int) -> ClusterOITConfig:
+        """The limits of one of ``r`` router replicas behind a balancer that spreads each
+        user's calls evenly (``--tenant-limits-split r``): a replica counts about 1/r of every
+        window, so each limit given (``user_limit``, ``user_limits``, ``app_limits``, and the
+        derived limits' floor ``min_limit``) is 1/r of the cluster's, rounded up (0 stays 0).
+        Derived limits scale by themselves: they come from the counts the replica sees."""
+        if r <= 1:
+            return self
+
+        def cut(n: int | None) -> int | None:
+            return None if n is None else -(-n // r)
+
+        lim = self.limits
+        return dataclasses.replace(
+            self,
+            limits=dataclasses.replace(
+                lim,
+                user_limit=cut(lim.user_limit),
+                user_limits=None if lim.user_limits is None
+                else {a: cut(n) for a, n in lim.user_limits.items()},
+                app_limits=None if lim.app_limits is None
+                else {a: cut(n) for a, n in lim.app_limits.items()},
+                min_limit=cut(lim.min_limit),
+            ),
+        )  # fmt: skip
 
     @classmethod
     def from_options(cls, **options: Any) -> ClusterOITConfig:
@@ -223,6 +250,14 @@ class ClusterOIT:
         if iid is not None and iid in self._interactions:
             self._interactions[iid] = max(self._interactions[iid], now)
 
+    def under_way(self, interaction_ids: Collection[str], now: float) -> None:
+        """Interactions a worker reports a call of (``ServiceReport.interactions``): they
+        started through another router replica; each counts as active at ``now``, as one
+        this router let through does."""
+        for iid in interaction_ids:
+            self._interactions[iid] = max(self._interactions.get(iid, now), now)
+        self._forget_ended(now)
+
     def _close(self, rid: str) -> str | None:
         iid = self._open.pop(rid, None)
         if iid is not None:
@@ -252,6 +287,9 @@ class ClusterOIT:
         if len(self._open) > 2 * len(in_flight) + 4096:  # amortized: after it, <= in flight
             for rid in [r for r in self._open if r not in in_flight]:
                 self._close(rid)  # it ended unseen: its interaction idles from now
+        self._forget_ended(now)
+
+    def _forget_ended(self, now: float) -> None:
         if len(self._interactions) > self._forget_at:
             timeout = self.config.interaction_timeout_s
             self._interactions = {

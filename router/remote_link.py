@@ -69,7 +69,7 @@ class _Sender:
         self.router = router
 
     def send(self, data: Any, flags: int = 0, copy: bool = True) -> None:
-        tag = getattr(self.router, "last_tag", None)
+        tag = self.router.last_tag
         if tag is not None and data[0] == _DISPATCH_KIND:
             self.router.last_tag = None
             frame = encode_control(DispatchTag(*tag))

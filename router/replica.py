@@ -9,7 +9,9 @@ policy state, its own requests in flight) that, with ``shared=True``, also reads
   policy without it keeps only its own dispatches);
 * ``queue_len(u)`` counts the other replicas' requests on u at its last report beside this
   replica's own (dispatched − finished, exact), so least-queued choices and D2LPM's load guard
-  see the whole queue.
+  see the whole queue;
+* the cluster OIT learns the interactions under way on u (``ServiceReport.interactions``),
+  so a call of an interaction another replica started is never refused here.
 
 ``shared=False`` is an independent replica: today's router behind a load balancer, with its
 own dispatches only. With one replica and ``shared=True`` the reports add nothing, so it
@@ -76,6 +78,8 @@ class ReplicaRouter(Router):
             if msg.worker not in self.workers:
                 return
             peers = self.state.report(msg.worker, msg.t_s, msg.service)
+            if self.oit is not None and msg.service.interactions:
+                self.oit.under_way(msg.service.interactions, now)
             if self._on_peer_service is not None:
                 for client, extend, output in peers:
                     self._on_peer_service(msg.worker, client, extend, output, self)

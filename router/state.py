@@ -18,7 +18,7 @@ from starlette.requests import Request as HTTPRequest
 
 from sgl_fair import config as tenants_mod
 from sgl_fair.router import protocol as P
-from sgl_fair.router.oit import ClusterOIT
+from sgl_fair.router.oit import ClusterOIT, ClusterOITConfig
 from sgl_fair.router.policies import make_router_policy
 from sgl_fair.router.replica import ReplicaRouter
 from sgl_fair.router.router import Router
@@ -83,7 +83,8 @@ class ServerState:
         context = cfg.context_length or context_len
         oit = None
         if getattr(cfg, "cluster_oit", False):  # FairServe's OIT over the cluster (oit.py)
-            oit = ClusterOIT(**getattr(cfg, "cluster_oit_opts", {}))
+            oit_cfg = ClusterOITConfig.from_options(**getattr(cfg, "cluster_oit_opts", {}))
+            oit = ClusterOIT(oit_cfg.split(getattr(cfg, "tenant_limits_split", 1)))
         # A replica among several that share fairness state through the workers' reports
         # (router/replica.py) is a ReplicaRouter; it decides as a Router does otherwise.
         replica = getattr(cfg, "replica_id", None)

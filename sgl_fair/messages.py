@@ -109,6 +109,10 @@ class ServiceReport(msgspec.Struct, frozen=True, gc=False):
     # (replica, the last dispatch sequence number received from it)
     seqs: tuple[tuple[int, int], ...] = ()
     num_requests: int = 0  # requests here: received, their Finished not yet sent
+    # Interaction ids (FairServe) with a call here now, or whose call's Finished went out
+    # since the last report: every replica learns the interactions under way (the cluster
+    # OIT never refuses their next call, whichever replica it reaches).
+    interactions: tuple[str, ...] = ()
 
 
 class Load(msgspec.Struct, frozen=True, gc=False):

@@ -59,7 +59,8 @@ class RemoteWorker(LiveWorker):
         self._peer: bytes | None = None  # whose frame is being handled
         self._tag: DispatchTag | None = None  # the tag of the Dispatch being handled
         self.ledger = ServiceLedger()  # what tagged dispatches got: sent with every Load
-        self.tagged: dict[str, str] = {}  # rid -> client, for the ledger's Finished
+        # rid -> (client, interaction id), for the ledger's Finished
+        self.tagged: dict[str, tuple[str, str | None]] = {}
         self._ever_tagged = False
         self._housekeeping_s = 0.0
         super().__init__(cfg, ctx=ctx)
@@ -105,8 +106,9 @@ class RemoteWorker(LiveWorker):
                 self._to(peer, Tokens(msg.worker, msg.t_s, tuple(items)))
         elif type(msg) is Finished:
             peer = self.owners.pop(msg.rid, None)
-            if self.tagged.pop(msg.rid, None) is not None:
-                self.ledger.sent(msg.client, msg.num_output)  # counted as it goes out
+            tagged = self.tagged.pop(msg.rid, None)
+            if tagged is not None:  # counted as it goes out
+                self.ledger.sent(msg.client, msg.num_output, interaction=tagged[1])
             if peer is not None:
                 self._to(peer, msg)
         elif type(msg) is Load:
@@ -192,17 +194,17 @@ class RemoteWorker(LiveWorker):
     def ledger_received(self, tag: DispatchTag, msg: Dispatch) -> None:
         """Count a tagged dispatch. A replica that forgot this worker (it was removed and came
         back) counts from 1 again: its count here starts over with it."""
-        client = msg.req.client
+        client, iid = msg.req.client, msg.req.interaction_id
         if tag.charge < 0:
             log.error("worker %d: dropped a tag with charge %d", self.cfg.wid, tag.charge)
             return
         try:
-            self.ledger.received(tag.replica, tag.seq, client, tag.charge)
+            self.ledger.received(tag.replica, tag.seq, client, tag.charge, interaction=iid)
         except ValueError as e:
             log.warning("worker %d: %s; counting from there", self.cfg.wid, e)
             self.ledger.restart(tag.replica, tag.seq - 1)
-            self.ledger.received(tag.replica, tag.seq, client, tag.charge)
-        self.tagged[msg.req.rid] = client
+            self.ledger.received(tag.replica, tag.seq, client, tag.charge, interaction=iid)
+        self.tagged[msg.req.rid] = (client, iid)
         self._ever_tagged = True
 
     def refused(self, msg: Dispatch, why: str) -> Finished:

@@ -7,9 +7,13 @@ weights). The ledger sums, per client, the charges of the dispatches received an
 tokens of every ``Finished`` *sent*, and keeps each replica's last ``seq``; ``report()`` is the
 ``ServiceReport`` the worker sends with its ``Load`` (``docs/replicas.md``)::
 
-    ledger.received(replica, seq, client, charge)   # a tagged dispatch arrived
-    ledger.sent(client, num_output)                 # its Finished (any reason) goes out now
+    ledger.received(replica, seq, client, charge, interaction=iid)  # a tagged dispatch
+    ledger.sent(client, num_output, interaction=iid)  # its Finished (any reason) goes out
     load = Load(..., service=ledger.report())
+
+The report also lists the interactions under way here (``ServiceReport.interactions``): those
+with a call received and its ``Finished`` not yet sent, and those whose ``Finished`` went out
+since the previous report (listed once more, so a call shorter than a report period is seen).
 
 A ``Finished`` counts when it is sent, not when the request ends: a report then covers
 exactly the ``Finished`` sent before it, which its replica has received before the report
@@ -26,8 +30,12 @@ class ServiceLedger:
         self._clients: dict[str, list[int]] = {}  # client -> [extend charged, output served]
         self._seqs: dict[int, int] = {}  # replica -> last seq received
         self.num_requests = 0  # received, Finished not yet sent
+        self._open: dict[str, int] = {}  # interaction id -> its calls here
+        self._ended: set[str] = set()  # interactions whose call ended since the last report
 
-    def received(self, replica: int, seq: int, client: str, charge: int) -> None:
+    def received(
+        self, replica: int, seq: int, client: str, charge: int, *, interaction: str | None = None
+    ) -> None:
         last = self._seqs.get(replica, 0)
         if seq != last + 1:
             raise ValueError(
@@ -39,24 +47,38 @@ class ServiceLedger:
         self._seqs[replica] = seq
         self._totals(client)[0] += charge
         self.num_requests += 1
+        if interaction is not None:
+            self._open[interaction] = self._open.get(interaction, 0) + 1
 
     def restart(self, replica: int, seq: int = 0) -> None:
         """``replica``'s dispatches count on from ``seq`` (it forgot this worker and starts
         its count again; the live remote worker's resync)."""
         self._seqs[replica] = seq
 
-    def sent(self, client: str, num_output: int) -> None:
-        """A ``Finished`` of ``client`` (ok or not) is being sent, with ``num_output`` tokens."""
+    def sent(self, client: str, num_output: int, *, interaction: str | None = None) -> None:
+        """A ``Finished`` of ``client`` (ok or not) is being sent, with ``num_output`` tokens
+        (``interaction``: the one its call belonged to, as given to ``received``)."""
         if self.num_requests <= 0:
             raise ValueError("a Finished sent for no request received")
         self._totals(client)[1] += num_output
         self.num_requests -= 1
+        if interaction is not None:
+            n = self._open.get(interaction, 0) - 1
+            if n > 0:
+                self._open[interaction] = n
+            else:
+                self._open.pop(interaction, None)
+            self._ended.add(interaction)
 
     def report(self) -> ServiceReport:
+        """The totals, and the interactions under way (the ended ones are listed this once)."""
+        interactions = tuple(self._open.keys() | self._ended)
+        self._ended = set()
         return ServiceReport(
             tuple((c, a, s) for c, (a, s) in self._clients.items()),
             tuple(self._seqs.items()),
             self.num_requests,
+            interactions,
         )
 
     def _totals(self, client: str) -> list[int]:

@@ -7,6 +7,7 @@ worker sends (HTTP 429 with the limit named). The live HTTP half is in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -364,3 +365,35 @@ def test_a_call_the_router_let_through_is_never_refused_by_a_worker():
     alone.all(0.4, kv=0.0)
     solo = req("mallory", "judge-4", t=0.4)
     assert o.on_arrival(solo, 0.4, alone) is None and not solo.oit_checked
+
+
+def test_replicas_split_the_limits_given():
+    """One of 3 replicas behind an even balancer counts a third of each window: the limits
+    given are a third of the cluster's (rounded up; 0 stays 0); derived ones scale alone."""
+    cfg = ClusterOITConfig.from_options(
+        limits={"user_limit": 10, "user_limits": {"chat": 0, "agent": 7}, "app_limits": {"a": 5}}
+    )
+    third = cfg.split(3).limits
+    assert third.user_limit == 4 and third.user_limits == {"chat": 0, "agent": 3}
+    assert third.app_limits == {"a": 2} and third.min_limit == 4  # the floor: 10 / 3
+    assert cfg.split(1) is cfg
+    view = View(n=1)
+    view.all(0.0, waiting=3)
+    o = ClusterOIT(dataclasses.replace(cfg.split(3), max_waiting=0))
+    assert [o.on_arrival(req(t=0.0), 0.0, view) is None for _ in range(5)] == [True] * 4 + [False]
+
+
+def test_a_replicas_state_splits_the_cluster_oit_limits(tmp_path):
+    """``--tenant-limits-split R`` (``--router-replicas`` sets it) splits the cluster OIT's
+    limits as it splits the tenants' (the server state builds the OIT from the flags)."""
+    from sgl_fair.launch.config import parse_config
+    from sgl_fair.router.state import ServerState
+    from sgl_fair.router.tokenizer import load_tokenizer
+
+    args = ["--dp", "2", "--schedule-policy", "fairserve", "--cluster-oit-opt",
+            "limits.user_limit=9", "--tenant-limits-split", "3"]  # fmt: skip
+    state = ServerState.create(
+        parse_config(args), tokenizer=load_tokenizer(None), tenants=None,
+        ipc_dir=str(tmp_path), kv_capacity_tokens=1000, context_len=1000,
+    )  # fmt: skip
+    assert state.service.router.oit.config.limits.user_limit == 3  # (no socket opened yet)

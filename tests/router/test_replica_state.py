@@ -195,3 +195,47 @@ def test_a_report_travels_on_the_wire_with_its_load():
     load = Load(2, 1.5, 0, 1, 10, 0, 100, service=ledger.report())
     assert decode(encode(load)) == load
     assert decode(encode(Load(2, 1.5, 0, 1, 10, 0, 100))).service is None
+
+
+def test_an_interaction_started_through_one_replica_is_not_refused_by_another():
+    """FairServe never throttles mid-interaction. Behind a balancer an interaction's calls
+    reach different replicas: replica A let call 1 through; call 2 reaches replica B, which
+    never saw the interaction. The worker running call 1 lists the interaction in its report,
+    so B lets call 2 through while overloaded and over the limit — as one router would —
+    and still refuses a new interaction of the same user."""
+    from sgl_fair.router.oit import ClusterOIT
+
+    def replica(i: int) -> ReplicaRouter:
+        oit = ClusterOIT(max_waiting=0, limits={"user_limit": 2, "window_s": 60})
+        return ReplicaRouter(make_router_policy("d2lpm"), 1, replica=i, oit=oit)
+
+    a, b = replica(0), replica(1)
+    ledger = ServiceLedger()
+
+    def call(rid: str, iid: str, t: float) -> Request:
+        return Request(rid=rid, client="u", input_ids=(1, 2, 3), output_len=4, arrival_s=t,
+                       interaction_id=iid)  # fmt: skip
+
+    def report(t: float) -> Load:  # overloaded: 3 waiting, max_waiting 0
+        return Load(0, t, 3, 1, 0, 0, 100, service=ledger.report())
+
+    for r in (a, b):
+        r.handle(report(0.0), 0.0)
+    first = call("r1", "agent-1", 0.0)
+    # the user's earlier interaction: one call through A, two through B (B's window is full)
+    for r, rid in ((a, "o1"), (b, "o2"), (b, "o3")):
+        assert r.throttle(call(rid, "old", 0.0), 0.0) is None
+    assert a.throttle(first, 0.1) is None  # A's 2nd call of the user: within the limit
+    a.dispatch(first, 0.1)
+    replica_, seq, charge = a.last_tag
+    ledger.received(replica_, seq, "u", charge, interaction="agent-1")
+    for r in (a, b):
+        r.handle(report(0.2), 0.2)
+    assert b.throttle(call("r2", "agent-1", 0.3), 0.3) is None  # mid-interaction: through
+    assert b.throttle(call("r3", "agent-2", 0.3), 0.3) is not None  # a new one: refused
+    # call 1 ends; its interaction is listed once more (its Finished went out since the last
+    # report), then no more, and B keeps it for interaction_timeout_s like its own
+    ledger.sent("u", 4, interaction="agent-1")
+    b.handle(report(0.4), 0.4)
+    assert "agent-1" not in ledger.report().interactions
+    assert b.throttle(call("r4", "agent-1", 5.0), 5.0) is None

@@ -175,3 +175,29 @@ def test_non_loopback_bind_without_keys_is_refused() -> None:
     bad = subprocess.run([sys.executable, "-m", "sgl_fair.worker", "--bind", "127.0.0.1:80"],
                          capture_output=True, text=True, timeout=30)  # fmt: skip
     assert bad.returncode == 2 and "--bind: expected tcp://HOST:PORT" in bad.stderr
+
+
+def test_the_service_report_lists_the_interactions_under_way(worker: int) -> None:
+    """A tagged call of an interaction: every replica's Load lists the interaction while the
+    call runs and once after its Finished (the cluster OIT of a replica that never saw the
+    interaction then lets its next call through), then no more."""
+    from sgl_fair.remote import DispatchTag
+
+    ctx = zmq.Context()
+    a, b = Replica(ctx, worker, "a"), Replica(ctx, worker, "b")
+    for r in (a, b):
+        wait_for(r, lambda r=r: r.of(Hello))
+    req = request("agent-call", output_len=40)
+    req.interaction_id = "agent-7"
+    a.sock.send_multipart([encode_control(DispatchTag(5, 1, 64)), encode(Dispatch(0, req, 0.0))])
+
+    def listed(r: Replica) -> list[bool]:
+        return ["agent-7" in m.service.interactions for m in r.of(Load) if m.service is not None]
+
+    wait_for(b, lambda: any(listed(b)))  # b never saw the call: the report tells it
+    wait_for(a, lambda: any(m.rid == "agent-call" for m in a.of(Finished)))
+    a.pump(1.0)
+    after = listed(a)[listed(a).index(True):]
+    assert after[-1] is False and after.count(False) >= 2  # it stops being listed
+    assert after == sorted(after, reverse=True)  # listed while under way, then no more
+    ctx.destroy(linger=0)
