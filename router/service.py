@@ -43,6 +43,7 @@ from sgl_fair.messages import (
     FlushCache,
     Flushed,
     Hello,
+    KVSnapshot,
     Load,
     Shutdown,
     Tokens,
@@ -358,6 +359,8 @@ class RouterService(WorkerLiveness):
             if answers is not None:
                 answers[msg.worker] = msg.ok
                 self._flush_event.set()
+        elif isinstance(msg, KVSnapshot):  # a remote worker's cache, as this replica attaches
+            self._apply_kv(w, kv_events.decode_batch(msg.payload))
 
     def _account(self, call: Call, msg: Finished, now: float) -> None:
         req, tel = call.req, self.telemetry
@@ -411,8 +414,11 @@ class RouterService(WorkerLiveness):
                 w.kv_gaps += 1
                 log.warning("worker %d: KV events %d..%d lost", wid, w.kv_seq + 1, seq - 1)
             w.kv_seq = seq
-            try:
-                ops = w.decoder.apply(batch)
-                self.router.apply_kv_ops(wid, ops, self.clock())
-            except Exception:
-                log.exception("worker %d: error applying KV events", wid)
+            self._apply_kv(w, batch)
+
+    def _apply_kv(self, w: WorkerState, batch: kv_events.KVEventBatch) -> None:
+        try:
+            ops = w.decoder.apply(batch)
+            self.router.apply_kv_ops(w.wid, ops, self.clock())
+        except Exception:
+            log.exception("worker %d: error applying KV events", w.wid)

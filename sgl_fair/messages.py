@@ -161,6 +161,17 @@ class Hello(msgspec.Struct, frozen=True, gc=False):
     context_len: int = 0  # the longest sequence its model serves; 0: not known
 
 
+class KVSnapshot(msgspec.Struct, frozen=True, gc=False):
+    """A standalone worker's prefix cache as it is, for a router replica that attaches: the
+    KV events that store every full page it holds (``payload``: one ``KVEventBatch`` in
+    SGLang's encoding, ``sgl_fair.kv_events``). KV events are published as the cache changes,
+    so without it a replica that joins late knows nothing of what was cached before."""
+
+    worker: int
+    t_s: float
+    payload: bytes
+
+
 class Flushed(msgspec.Struct, frozen=True, gc=False):
     worker: int
     token: int
@@ -176,6 +187,7 @@ __all__ = [
     "FlushCache",
     "Flushed",
     "Hello",
+    "KVSnapshot",
     "Shutdown",
     "Evicted",
     "Finished",

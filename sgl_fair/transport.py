@@ -32,6 +32,7 @@ from sgl_fair.messages import (
     FlushCache,
     Flushed,
     Hello,
+    KVSnapshot,
     Load,
     Shutdown,
     Tokens,
@@ -68,6 +69,7 @@ _KINDS: dict[type, int] = {
     Hello: 13,
     Flushed: 14,
     Evicted: 15,
+    KVSnapshot: 16,
 }
 _DECODERS = {k: msgspec.msgpack.Decoder(t) for t, k in _KINDS.items()}
 _encoder = msgspec.msgpack.Encoder()

@@ -21,7 +21,17 @@ from typing import Any
 import msgspec
 import zmq
 
-from sgl_fair.messages import Abort, Dispatch, Finished, FinishReason, Load, Shutdown, Tokens
+from sgl_fair import kv_events
+from sgl_fair.messages import (
+    Abort,
+    Dispatch,
+    Finished,
+    FinishReason,
+    KVSnapshot,
+    Load,
+    Shutdown,
+    Tokens,
+)
 from sgl_fair.remote import (
     ATTACH_PERIOD_S,
     Attach,
@@ -173,6 +183,7 @@ class RemoteWorker(LiveWorker):
                 self.names[peer] = msg.router
                 log.info("worker %d: router %s attached", self.cfg.wid, msg.router)
                 self.send(self.hello())
+                self._to(peer, self.snapshot(now))
             return
         if type(msg) in (Detach, Shutdown):  # a replica stopping never stops a shared worker
             self.forget(peer, "it detached")
@@ -190,6 +201,16 @@ class RemoteWorker(LiveWorker):
         elif type(msg) is Abort and self.owners.get(msg.rid) != peer:
             return  # not this replica's request
         self.handle(msg)
+
+    def snapshot(self, now: float) -> KVSnapshot:
+        """The prefix cache as it is: a fresh encoder's events storing every full page of
+        every cached path (shared prefixes once, parents first), so a replica that attaches
+        late routes by what is cached here already. It may cross a KV event published just
+        before it: the router's tree is a guide, and a page stored twice is stored once."""
+        encoder = kv_events.KVEventEncoder(page_size=self.cfg.kv_page_size)
+        stored = [("stored", path, 0) for path in cached_paths(self.core.scheduler.kv.tree.root)]
+        batch = kv_events.KVEventBatch(ts=now, events=encoder.events(stored))
+        return KVSnapshot(self.cfg.wid, now, kv_events.encode_batch(batch))
 
     def ledger_received(self, tag: DispatchTag, msg: Dispatch) -> None:
         """Count a tagged dispatch. A replica that forgot this worker (it was removed and came
@@ -256,3 +277,15 @@ def remote_worker_main(
         worker.run()
     finally:
         worker.close()
+
+
+def cached_paths(root: Any) -> list[tuple[int, ...]]:
+    """Every root-to-leaf token path of a radix tree (``sgl_fair.radix``'s nodes)."""
+    out: list[tuple[int, ...]] = []
+    stack = [(child, child.key) for child in root.children.values()]
+    while stack:
+        node, path = stack.pop()
+        if not node.children:
+            out.append(path)
+        stack.extend((c, path + c.key) for c in node.children.values())
+    return out

@@ -152,3 +152,29 @@ def test_a_watched_endpoints_file(two_workers, tmp_path) -> None:
             await until(lambda: sorted(r["endpoint"] for r in m.describe()) == sorted([a_ep, b_ep]))
 
     asyncio.run(main())
+
+
+def test_a_replica_that_joins_late_learns_the_cache_already_there(two_workers) -> None:
+    """Router A fills a worker's prefix cache; router B attaches afterwards. KV events are
+    published as they happen, so B would know nothing of that cache until new requests come
+    (D2LPM then routes an old prefix away from the worker holding it). The worker sends a
+    replica that attaches its cache as it is; B's tree holds the prefix before any request."""
+    a_ep, _ = two_workers
+    prompt = tuple(range(700, 764))  # four 16-token pages
+
+    async def main() -> None:
+        async with running() as (svc_a, m_a):
+            a = m_a.add(a_ep)
+            await until(lambda: m_a.state(a) == "ready")
+            call = svc_a.submit(
+                Request(rid="fill", client="c", input_ids=prompt, output_len=4,
+                        arrival_s=time.time()), "t",
+            )  # fmt: skip
+            await asyncio.wait_for(call.done.wait(), 30)
+            await until(lambda: svc_a.router.tree.match(prompt).per_worker.get(a, 0) >= 48)
+            async with running() as (svc_b, m_b):
+                b = m_b.add(a_ep)
+                await until(lambda: m_b.state(b) == "ready")
+                await until(lambda: svc_b.router.tree.match(prompt).per_worker.get(b, 0) >= 48)
+
+    asyncio.run(main())
