@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,3 +44,38 @@ def start_worker(port: int, *extra: str) -> subprocess.Popen:
             raise AssertionError(f"worker did not start: {Path(log_path).read_text()}")
         time.sleep(0.05)
     return proc
+
+
+def free_port_run(n: int) -> int:
+    """A port P with P .. P+n-1 free on 127.0.0.1 (replicas' HTTP ports, a gateway's)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + n >= 65535:
+            continue
+        free = True
+        for k in range(1, n):
+            with socket.socket() as s2:
+                try:
+                    s2.bind(("127.0.0.1", port + k))
+                except OSError:
+                    free = False
+        if free:
+            return port
+    raise RuntimeError("no free port run")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> bool:
+    """SIGINT ``proc`` and wait for it; kill it if it takes longer. False: it had to be
+    killed."""
+    if proc.poll() is not None:
+        return True
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False

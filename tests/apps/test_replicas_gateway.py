@@ -20,7 +20,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from remote_helpers import free_port_run, stop
 from requires import require
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))  # the launcher helpers
@@ -39,39 +39,11 @@ require("sglang_router", hint="make sglang-cpu (requirements/sglang-cpu.txt)")
 pytestmark = pytest.mark.slow
 
 
-def _free_ports(n: int) -> int:
-    """A port P with P .. P+n-1 free."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        free = True
-        for k in range(1, n):
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", port + k))
-                except OSError:
-                    free = False
-        if free and port + n < 65535:
-            return port
-    raise RuntimeError("no free ports")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory) -> Iterator[tuple[str, list[str], list[int]]]:
     """(the gateway's URL, the replicas' URLs, the replicas' pids)."""
     logs = tmp_path_factory.mktemp("gateway")
-    port = _free_ports(4)  # P, P+1: the replicas; P+2: the gateway; P+3: its metrics
+    port = free_port_run(4)  # P, P+1: the replicas; P+2: the gateway; P+3: its metrics
     launch_log = logs / "launch.log"
     tenants = logs / "tenants.toml"
     tenants.write_text("".join(  # "k" is also the operator (/metrics)
@@ -121,7 +93,7 @@ def gateway(tmp_path_factory) -> Iterator[tuple[str, list[str], list[int]]]:
         yield url, replicas, pids
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop(p)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -23,34 +23,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from remote_helpers import free_port_pair, start_worker
+from remote_helpers import free_port_pair, free_port_run, start_worker, stop
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port_run(n: int) -> int:
-    """A port P with P .. P+n-1 free (the replicas' HTTP ports)."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ok = True
-        for k in range(1, n):
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", port + k))
-                except OSError:
-                    ok = False
-        if ok:
-            return port
-    raise RuntimeError("no free ports")
-
-
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory) -> Iterator[tuple[list[str], list[int], subprocess.Popen]]:
-    port = _free_port_run(2)
+    port = free_port_run(2)
     log_path = tmp_path_factory.mktemp("replicas") / "launch.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     cmd = [sys.executable, "-m", "sgl_fair.launch", "--dp", "2", "--router-replicas", "2",
@@ -71,13 +51,7 @@ def replicas(tmp_path_factory) -> Iterator[tuple[list[str], list[int], subproces
     try:
         yield urls, pids, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log.close()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

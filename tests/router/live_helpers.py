@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+from remote_helpers import stop
 
 
 def free_port() -> int:
@@ -65,14 +65,9 @@ def launched(*args: str, tmp_path, timeout_s: float = 90.0) -> Iterator[Live]:
         pids = []
         with contextlib.suppress(Exception):
             pids = [w["pid"] for w in live.info()["workers"] if w["pid"]]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise AssertionError(f"launch did not stop on SIGINT:\n{live.log()}") from None
+        if not stop(proc):
+            log.close()
+            raise AssertionError(f"launch did not stop on SIGINT:\n{live.log()}")
         log.close()
     assert proc.returncode == 0, f"launch exited with {proc.returncode}:\n{live.log()}"
     for pid in pids:  # every worker is gone too

@@ -17,6 +17,7 @@ sees the shim.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -208,3 +209,14 @@ class SGLangServer:
 
 if __name__ == "__main__":  # make demo-sglang: write the tiny model into the folder given
     print(write_tiny_llama(Path(sys.argv[1])))
+
+
+async def until_queued(http: httpx.AsyncClient, url: str, n: int, timeout_s: float = 30.0) -> None:
+    """Until the SGLang server at ``url`` holds ``n`` requests waiting (its ``/v1/loads``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = await http.get(url + "/v1/loads?include=core", timeout=10)
+        if sum(int(x.get("num_waiting_reqs", 0)) for x in r.json()["loads"]) >= n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the flood never queued {n} requests in SGLang")

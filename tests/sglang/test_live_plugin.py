@@ -66,7 +66,7 @@ async def _flood_then_victim(url: str, *, victim_priority=None, flood_priority=N
             asyncio.create_task(_generate(http, url, "flood", 32, priority=flood_priority))
             for _ in range(FLOOD)
         ]
-        await _until_queued(http, url, FLOOD // 2)
+        await live_rig.until_queued(http, url, FLOOD // 2)
         sent = time.monotonic()
         victim = [
             asyncio.create_task(_generate(http, url, "victim", 8, priority=victim_priority))
@@ -81,17 +81,6 @@ async def _flood_then_victim(url: str, *, victim_priority=None, flood_priority=N
         retractions += int(meta.get("num_retractions") or 0)
     order = sorted([("sent", sent), *((c, t) for c, t, _ in done)], key=lambda x: x[1])
     return order, retractions
-
-
-async def _until_queued(http, url: str, n: int, timeout_s: float = 30.0) -> None:
-    """Until SGLang holds ``n`` requests waiting (its ``/v1/loads``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = await http.get(url + "/v1/loads?include=core", timeout=10)
-        if sum(int(x.get("num_waiting_reqs", 0)) for x in r.json()["loads"]) >= n:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"the flood never queued {n} requests in SGLang")
 
 
 def _flood_done_before_victim(order) -> int:

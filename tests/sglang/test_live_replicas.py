@@ -63,16 +63,6 @@ async def _generate(http, url, client, n_out, i):
     return client, time.monotonic()
 
 
-async def _until_queued(http, url: str, n: int) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        r = await http.get(url + "/v1/loads?include=core", timeout=10)
-        if sum(int(x.get("num_waiting_reqs", 0)) for x in r.json()["loads"]) >= n:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the flood never queued {n} requests in SGLang")
-
-
 def test_both_replicas_serve_through_the_one_server(replicas):
     live, urls = replicas
     for url in urls:
@@ -94,7 +84,7 @@ def test_a_victim_through_one_replica_goes_ahead_of_a_flood_through_the_other(re
     async def main() -> list[tuple[str, float]]:
         async with httpx.AsyncClient() as http:
             flood = [asyncio.create_task(_generate(http, a, "flood", 32, i)) for i in range(24)]
-            await _until_queued(http, server, 12)
+            await live_rig.until_queued(http, server, 12, timeout_s=60)
             sent = time.monotonic()
             victim = [asyncio.create_task(_generate(http, b, "victim", 8, i)) for i in range(3)]
             done = await asyncio.gather(*flood, *victim)
