@@ -23,6 +23,7 @@ into a failed call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,9 @@ KEEPALIVE_S = 3.0
 # A call reset on a reused connection before any response byte is sent again, this many times
 # at most (``send_call``).
 STALE_RETRIES = 2
+# After ``[DONE]`` the stream's end (chunked encoding's last chunk) is read, this long at
+# most: a connection released before its response's end is closed, not pooled.
+DRAIN_S = 1.0
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 # aiohttp's ClientConnectionResetError (>= 3.10) is a ConnectionResetError
 _CLOSED = (aiohttp.ServerDisconnectedError, ConnectionResetError, BrokenPipeError)
@@ -404,10 +408,21 @@ async def send_call(
                 done = True
                 break
             finished = apply_chunk(rec, decode_chunk(data), now()) or finished
+        if done:
+            await _drain(resp)
     if not finished:
         if not done:
             raise CallFailed("stream ended without a finish_reason or [DONE]")
         rec.finish_s = now()  # [DONE] without a finish_reason: judged by length
+
+
+async def _drain(resp: aiohttp.ClientResponse) -> None:
+    """Read ``resp`` to its end (``DRAIN_S`` at most), so that its connection goes back to
+    the pool: aiohttp closes a connection whose response was not read to the end, and the
+    end of a stream comes after its ``[DONE]``, often in a later packet."""
+    # a server that keeps streaming past [DONE]: its connection is not reused
+    with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+        await asyncio.wait_for(resp.content.read(), DRAIN_S)
 
 
 # ---------------------------------------------------------------------------------------------

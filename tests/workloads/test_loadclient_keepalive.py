@@ -49,12 +49,15 @@ class Server:
     """A real uvicorn + Starlette ``/generate`` in its own thread (its own event loop), with
     ``options`` for ``uvicorn.Config``; ``seen`` is every (rid, client port) it served."""
 
-    def __init__(self, *, broken_stream: bool = False, **options) -> None:
+    def __init__(
+        self, *, broken_stream: bool = False, tail_delay_s: float = 0.0, **options
+    ) -> None:
         self.seen: list[tuple[str, int]] = []
         self.sock = _listen()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         app = Starlette(routes=[Route("/generate", self._generate, methods=["POST"])])
         self.broken_stream = broken_stream
+        self.tail_delay_s = tail_delay_s  # between "[DONE]" and the stream's end
         config = uvicorn.Config(app, log_level="critical", lifespan="off", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -77,6 +80,8 @@ class Server:
                 raise RuntimeError("the response breaks off")
             yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
+            if self.tail_delay_s:
+                await asyncio.sleep(self.tail_delay_s)  # the last chunk comes a little later
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -129,11 +134,14 @@ def _keepalive_s(session: aiohttp.ClientSession) -> float:
 def test_an_idle_connection_outlives_the_clients_pool_on_the_default_server():
     """At the server's defaults a connection the client reuses at the very end of its pool
     keep-alive is still open: the second call goes over the same connection and succeeds
-    (1 s short of it). A loaded CPU may hold the client's loop more than that 1 s between
-    the first call's end and the sleep; then the client drops the connection itself and the
-    run tests nothing, so it is run again (CI once saw that). The server's side is checked
-    without that race: a full pool keep-alive after the first call, the server still holds
-    the connection (a loaded CPU only makes its timer later)."""
+    (1 s short of it). A CPU that held the client's loop more than that 1 s between the
+    first call's end and the sleep would make the client drop the connection itself, and the
+    run would test nothing: it is run again then, up to 3 times. (CI failed this test twice:
+    the cause was the client's, which let the connection go before the stream's end, so
+    aiohttp closed it; ``test_the_connection_is_reused_when_the_stream_ends_just_after_done``.)
+    The server's side is checked without that race too: a full pool keep-alive after the
+    first call, the server still holds the connection (a loaded CPU only makes its timer
+    later)."""
     cfg = parse_config([])
     options = connection_options(header_timeout_s=cfg.http_header_timeout_s, max_connections=64)
     for _ in range(3):
@@ -156,6 +164,20 @@ def test_an_idle_connection_outlives_the_clients_pool_on_the_default_server():
                 return len(server.server.server_state.connections)
 
         assert asyncio.run(idle_past_the_pool()) == 1  # open on the server after the pool's limit
+
+
+def test_the_connection_is_reused_when_the_stream_ends_just_after_done():
+    """``[DONE]`` and the end of the HTTP stream (chunked encoding's last chunk) are two
+    writes: the client must read to the end before it lets the connection go, or aiohttp
+    closes it (its payload was not at EOF) and the next call opens a new one. CI saw it on
+    the default server: the client never reused its connection in 3 tries. Here the end
+    comes 0.2 s after ``[DONE]``, every time."""
+    options = connection_options(header_timeout_s=10, max_connections=64)
+    with Server(tail_delay_s=0.2, **options) as server:
+        first, second = asyncio.run(_two_calls(server.url, lambda s: 0.05))
+    assert [rid for rid, _ in server.seen] == ["a", "b"]
+    assert server.seen[0][1] == server.seen[1][1], server.seen  # one connection, reused
+    assert first.finish_reason == second.finish_reason == "length"
 
 
 def test_a_call_that_meets_a_just_closed_pooled_connection_is_sent_again():
