@@ -49,11 +49,14 @@ class StandInSGLang:
         incremental: bool = False,
         info: dict[str, Any] | None = None,
         token_interval_s: float = 0.01,
+        tail_delay_s: float = 0.0,
     ) -> None:
         self.api_key = api_key
         self.incremental = incremental
         self.info = dict(info or {})
         self.token_interval_s = token_interval_s
+        self.tail_delay_s = tail_delay_s  # between "[DONE]" and the stream's end
+        self.generate_ports: list[int] = []  # the client port of each /generate
         self.seen: list[tuple[str, str, str | None, Any]] = []
         self.running: set[str] = set()
         self.aborted: list[str] = []  # rids the server aborted, in order
@@ -136,6 +139,7 @@ class StandInSGLang:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.generate_ports.append(request.transport.get_extra_info("peername")[1])
         rid = body["rid"]
         n = int(body["sampling_params"]["max_new_tokens"])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -154,6 +158,8 @@ class StandInSGLang:
                 await self._chunk(resp, ids, ids[-1:], finish)
                 await asyncio.sleep(self.token_interval_s)
             await resp.write(b"data: [DONE]\n\n")
+            if self.tail_delay_s:
+                await asyncio.sleep(self.tail_delay_s)  # the stream's end comes later
         finally:
             self.running.discard(rid)
             self._abort.discard(rid)

@@ -153,3 +153,25 @@ def test_a_server_that_refuses_the_info_call_is_refused_with_the_likely_cause(tm
         assert rig.hello(timeout_s=5) is None
         rig.thread.join(5)
         assert "needs --worker-api-key" in caplog.text
+
+
+def test_the_bridge_reuses_its_connection_when_the_stream_ends_after_done(tmp_path):
+    """The bridge reads a stream to its end after ``[DONE]``: aiohttp closes, rather than
+    pools, a connection released before its response's end, and the end (chunked encoding's
+    last chunk) often comes in a later packet. Without it every call to the server opened a
+    new connection (at a few thousand calls a second, ports in TIME_WAIT run out)."""
+    with (
+        StandInSGLang(tail_delay_s=0.2) as server,
+        BridgeRig(str(tmp_path), server.url) as rig,
+    ):
+        assert rig.hello() is not None
+        for rid in ("first", "second", "third", "fourth"):
+            rig.dispatch(rid, 2)
+            assert rig.finished({rid})[rid].reason is FinishReason.LENGTH  # at [DONE]
+            rig.recv_until(lambda m: False, timeout_s=0.4)  # the stream's end has come
+    ports = server.generate_ports
+    assert len(ports) == 4
+    # a call on a connection an earlier call used: never before (each was closed); the
+    # bridge's /health and /v1/loads polls share the pool, so not every call finds it free
+    reused = sum(1 for i, p in enumerate(ports) if p in ports[:i])
+    assert reused >= 1, ports

@@ -26,6 +26,7 @@ import: the bridge talks HTTP only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -347,7 +348,10 @@ class Bridge:
             class_priority=self.cfg.class_priority,
             low_priority_first=self.info.low_priority_first,  # the server's own direction
         )
-        async with self.http.post(self.url + "/generate", json=body) as resp:
+        resp: aiohttp.ClientResponse | None = await self.http.post(
+            self.url + "/generate", json=body
+        )
+        try:
             if resp.status != 200:
                 body = await resp.text(errors="replace")
                 retry = retry_after_header(resp.headers.get("Retry-After"))
@@ -356,11 +360,18 @@ class Bridge:
             async for data in resp.content.iter_any():
                 for payload in parser.feed(data):
                     if payload == b"[DONE]":
+                        # The stream's end often comes in a later packet, and a connection
+                        # let go before it is closed, not pooled: read it off the call's path.
+                        self._side(read_to_end(resp))
+                        resp = None
                         return job.stream.outcome(job.abort_reason)
                     new = job.stream.feed(decode_json(payload))
                     if new:
                         self.send(Tokens(self.cfg.wid, time.time(), ((req.rid, tuple(new)),)))
-        return job.stream.outcome(job.abort_reason)
+            return job.stream.outcome(job.abort_reason)
+        finally:
+            if resp is not None:
+                resp.release()
 
     def _finished(self, job: Job, outcome: Outcome) -> Finished:
         req, stream = job.req, job.stream
@@ -430,6 +441,16 @@ def _process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+async def read_to_end(resp: aiohttp.ClientResponse, timeout_s: float = 1.0) -> None:
+    """Read what is left of ``resp`` (``timeout_s`` at most), then let its connection go:
+    back to the pool when the response ended, closed when it did not."""
+    try:
+        with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+            await asyncio.wait_for(resp.content.read(), timeout_s)
+    finally:
+        resp.release()
 
 
 def bridge_main(cfg: BridgeConfig) -> None:
