@@ -197,7 +197,7 @@ def test_the_service_report_lists_the_interactions_under_way(worker: int) -> Non
     wait_for(b, lambda: any(listed(b)))  # b never saw the call: the report tells it
     wait_for(a, lambda: any(m.rid == "agent-call" for m in a.of(Finished)))
     a.pump(1.0)
-    after = listed(a)[listed(a).index(True):]
+    after = listed(a)[listed(a).index(True) :]
     assert after[-1] is False and after.count(False) >= 2  # it stops being listed
     assert after == sorted(after, reverse=True)  # listed while under way, then no more
     ctx.destroy(linger=0)
