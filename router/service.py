@@ -323,6 +323,9 @@ class RouterService(WorkerLiveness):
         if isinstance(msg, Hello):
             self._hello(msg)
             return
+        if isinstance(msg, Finished) and msg.lost:
+            self._lost(msg)
+            return
         if not w.alive:
             proc = w.process
             if w.restart_at is not None or (proc is not None and not proc.is_alive()):
@@ -361,6 +364,18 @@ class RouterService(WorkerLiveness):
                 self._flush_event.set()
         elif isinstance(msg, KVSnapshot):  # a remote worker's cache, as this replica attaches
             self._apply_kv(w, kv_events.decode_batch(msg.payload))
+
+    def _lost(self, msg: Finished) -> None:
+        """A call its worker lost with its engine (``Finished.lost``): the worker is dead to
+        the router, whether or not its process or its silence said so yet, so this call and
+        every other it holds go elsewhere where no token reached the client (``worker_dead``).
+        Never a revival: a dead worker's late losses concern calls that moved on already."""
+        w = self.workers[msg.worker]
+        if w.alive:
+            self.worker_dead(msg.worker, f"its engine stopped answering ({msg.error})")
+        call = self.calls.get(msg.rid)
+        if call is not None and call.worker == msg.worker:  # not one worker_dead moved on
+            self._fail(call, f"worker {msg.worker} failed mid-request ({msg.error})", 502)
 
     def _account(self, call: Call, msg: Finished, now: float) -> None:
         req, tel = call.req, self.telemetry

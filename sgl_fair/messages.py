@@ -75,6 +75,10 @@ class Finished(msgspec.Struct, frozen=True, gc=False):
     # Seconds the request spent in the worker's waiting queue (SGLang's meta_info.queue_time;
     # summed over re-queues); None when it was never admitted or the engine does not say.
     queue_s: float | None = None
+    # ABORTED because the worker lost its engine (an SGLang server that went away under the
+    # call), not for anything of the call's own: the router takes it as the worker's death and
+    # sends the call elsewhere when no token of it reached the client yet.
+    lost: bool = False
 
     @property
     def input_len(self) -> int:

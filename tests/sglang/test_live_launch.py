@@ -236,10 +236,23 @@ def _launch_fails(*args: str) -> str:
 
 
 def test_a_killed_sglang_server_is_routed_around(live):
-    """kill -9 one SGLang server (its whole process group) under load: every non-streaming
-    request still finishes, on the other server; new ones go there."""
+    """kill -9 one SGLang server (its whole process group) under load, with two CPU spinners
+    beside it (a loaded machine reorders what the router hears: the calls' transport errors
+    before the worker's death): every non-streaming request still finishes, on the other
+    server; new ones go there."""
     workers = live.info()["workers"]
     victim = workers[0]
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinners = [subprocess.Popen(spin) for _ in range(2)]
+    try:
+        _kill_under_load(live, victim)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait(10)
+
+
+def _kill_under_load(live, victim) -> None:
 
     async def load():
         async with httpx.AsyncClient(timeout=300) as http:

@@ -61,6 +61,7 @@ class StandInSGLang:
         self.running: set[str] = set()
         self.aborted: list[str] = []  # rids the server aborted, in order
         self._abort: set[str] = set()
+        self._conns: set[Any] = set()  # the transport of every connection a call came on
         self.loop = asyncio.new_event_loop()
         self.url = ""
 
@@ -109,6 +110,7 @@ class StandInSGLang:
         except ValueError:
             obj = body
         authz = request.headers.get("Authorization")
+        self._conns.add(request.transport)
         self.seen.append((request.method, request.path, authz, obj))
         free = request.path.startswith(("/health", "/metrics"))
         if self.api_key and not free and authz != f"Bearer {self.api_key}":
@@ -170,6 +172,17 @@ class StandInSGLang:
         meta = {"id": "x", "finish_reason": finish, "cached_tokens": 0}
         chunk = {"text": "", "output_ids": out, "meta_info": meta}
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    def die(self) -> None:
+        """As ``kill -9`` of the server: its listener and every open call go at once."""
+
+        async def die() -> None:
+            for site in list(self.runner.sites):
+                await site.stop()
+            for transport in list(self._conns):
+                transport.abort()  # the calls under way, and the idle keep-alive ones
+
+        asyncio.run_coroutine_threadsafe(die(), self.loop).result(10)
 
     # ---- what the tests read ---------------------------------------------------------------
 

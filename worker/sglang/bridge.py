@@ -144,6 +144,10 @@ class Bridge:
         self.http: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []  # the bridge's own loops (not the requests)
         self.side_tasks: set[asyncio.Task] = set()  # aborts and flushes in flight
+        # The server stopped answering (a call's connection failed, then /health did): calls
+        # are answered lost at once and no Load goes out until /health answers again, so the
+        # router routes around this worker instead of taking it back at the next Load.
+        self.server_down = False
 
     # ---- io ------------------------------------------------------------------------------
 
@@ -259,6 +263,10 @@ class Bridge:
                 incremental=self.info.incremental, want_logprobs=req.return_logprob
             )
             job = Job(req, stream)
+            if self.server_down:  # answered at once: the router sends it elsewhere
+                why = f"SGLang server {self.url} is not answering"
+                self.send(self._finished(job, Outcome(FinishReason.ABORTED, why), lost=True))
+                return
             self.jobs[req.rid] = job
             job.task = asyncio.get_running_loop().create_task(self._serve(job))
         elif isinstance(msg, Abort):
@@ -280,7 +288,8 @@ class Bridge:
             if gone is not None:
                 self.stop(EXIT_SERVER_GONE, gone)
                 return
-            self.send(self._load())
+            if not self.server_down:
+                self.send(self._load())
             await asyncio.sleep(cfg.load_interval_s)
 
     def _load(self) -> Load:
@@ -312,9 +321,14 @@ class Bridge:
         cfg = self.cfg
         last_ok = time.monotonic()
         while True:
-            await asyncio.sleep(cfg.health_interval_s)
+            # while the server is down, every half second: back in service as soon as it is
+            await asyncio.sleep(min(cfg.health_interval_s, 0.5) if self.server_down
+                                else cfg.health_interval_s)  # fmt: skip
             if await self._healthy(cfg.health_timeout_s):
                 last_ok = time.monotonic()
+                if self.server_down:
+                    log.warning("bridge %d: %s answers again", cfg.wid, self.url)
+                    self.server_down = False
             elif time.monotonic() - last_ok > cfg.health_timeout_s:
                 self.stop(
                     EXIT_SERVER_GONE, f"/health has failed for {time.monotonic() - last_ok:.1f}s"
@@ -324,11 +338,17 @@ class Bridge:
     # ---- requests ------------------------------------------------------------------------
 
     async def _serve(self, job: Job) -> None:
+        lost = False  # the call failed because the server went away, not for its own reason
         try:
             outcome = await self._stream(job)
         except asyncio.CancelledError:
             outcome = Outcome(FinishReason.ABORTED, job.abort_reason or "the bridge stopped")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            lost = job.abort_reason is None and self.exit_code == EXIT_SERVER_GONE
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            why = f"SGLang server {self.url}: {type(e).__name__}: {e}"
+            outcome = Outcome(FinishReason.ABORTED, job.abort_reason or why)
+            lost = job.abort_reason is None and await self._server_lost()
+        except ValueError as e:  # a stream we cannot read: the call's, not the server's death
             why = f"SGLang server {self.url}: {type(e).__name__}: {e}"
             outcome = Outcome(FinishReason.ABORTED, job.abort_reason or why)
         except Exception as e:  # a bug must still answer the router
@@ -338,7 +358,15 @@ class Bridge:
             if job.hang_up is not None:
                 job.hang_up.cancel()
             self.jobs.pop(job.req.rid, None)
-        self.send(self._finished(job, outcome))
+        self.send(self._finished(job, outcome, lost=lost))
+
+    async def _server_lost(self) -> bool:
+        """After a call's transport error: whether the server is gone (its /health does not
+        answer within 2 s). Gone: the bridge is ``server_down`` until /health answers again."""
+        if not self.server_down and not await self._healthy(2.0):
+            log.warning("bridge %d: %s stopped answering", self.cfg.wid, self.url)
+            self.server_down = True
+        return self.server_down
 
     async def _stream(self, job: Job) -> Outcome:
         req = job.req
@@ -373,7 +401,7 @@ class Bridge:
             if resp is not None:
                 resp.release()
 
-    def _finished(self, job: Job, outcome: Outcome) -> Finished:
+    def _finished(self, job: Job, outcome: Outcome, *, lost: bool = False) -> Finished:
         req, stream = job.req, job.stream
         rejected = outcome.reason is FinishReason.REJECTED
         return Finished(
@@ -388,6 +416,7 @@ class Bridge:
             error=outcome.error,
             retry_after_s=outcome.retry_after_s,
             queue_s=None if rejected else stream.queue_s,
+            lost=lost,
             **({} if rejected else stream.finished_logprobs()),
         )
 
