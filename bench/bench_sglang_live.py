@@ -14,7 +14,12 @@ them). Cases: SGLang's own ``fcfs`` and ``lpm`` (plugin off), the plugin's ``fcf
 and ``dlpm``. Reported per case: the median and P90 of the calls that admitted a request,
 while ~1,000 (800–1,000) and ~128 (64–192) requests waited.
 
-    .venv/bin/python bench/bench_sglang_live.py [--requests 1000] [--cases ...] [--json]
+``--churn`` (run with ``--requests 2000`` in ``make bench``): half the requests at once, the
+other half arriving 20 a second over the drain, and one in ten abandoned by its client after
+0.2–3 s — so requests arrive, finish (their KV events reach the plugin's shadow) and are
+aborted between passes, as on a serving server; all-at-once has no arrivals after the first.
+
+    .venv/bin/python bench/bench_sglang_live.py [--requests 1000] [--churn] [--cases ...] [--json]
 """
 
 from __future__ import annotations
@@ -50,28 +55,43 @@ def workload(n: int, vocab: int, seed: int = 0) -> list[tuple[str, list[int]]]:
     return out
 
 
-async def send_all(url: str, reqs: list[tuple[str, list[int]]]) -> int:
+async def send_all(url: str, reqs: list[tuple[str, list[int]]], churn: bool = False) -> int:
+    """Send ``reqs``; how many got a 200. ``churn``: half of them at once, the rest as a steady
+    stream over the drain (arrivals between passes, whose prompts' KV events follow), and one
+    in ten of all abandoned by its client after 0.2–3 s (aborts in the queue and running)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=3600)
     connector = aiohttp.TCPConnector(limit=0)  # all N at once (aiohttp's default caps at 100)
+    rng = random.Random(1)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
 
-        async def one(client: str, ids: list[int]) -> int:
+        async def one(i: int, client: str, ids: list[int]) -> int:
+            if churn and i >= len(reqs) // 2:
+                await asyncio.sleep(0.05 * (i - len(reqs) // 2))  # 20 arrivals a second
             body = {
                 "input_ids": ids,
                 "routing_key": client,
                 "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
             }
-            async with http.post(url + "/generate", json=body) as r:
-                await r.read()
-                return r.status
 
-        codes = await asyncio.gather(*(one(c, ids) for c, ids in reqs))
+            async def call() -> int:
+                async with http.post(url + "/generate", json=body) as r:
+                    await r.read()
+                    return r.status
+
+            if churn and i % 10 == 9:  # the client goes away: SGLang aborts the request
+                try:
+                    return await asyncio.wait_for(call(), rng.uniform(0.2, 3.0))
+                except asyncio.TimeoutError:
+                    return 499
+            return await call()
+
+        codes = await asyncio.gather(*(one(i, c, ids) for i, (c, ids) in enumerate(reqs)))
     return sum(1 for c in codes if c == 200)
 
 
-def run_case(case: str, model: Path, n: int, work: Path) -> dict:
+def run_case(case: str, model: Path, n: int, work: Path, churn: bool = False) -> dict:
     kind, policy = case.split(":")
     prof = work / f"prof-{kind}-{policy}"
     extra = {"SGLFAIR_PROFILE_ADMISSION": str(prof)}
@@ -91,12 +111,13 @@ def run_case(case: str, model: Path, n: int, work: Path) -> dict:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     with live_rig.SGLangServer(model, work / f"server-{case}.log", args=args, env=env) as s:
         t0 = time.monotonic()
-        ok = asyncio.run(send_all(s.url, workload(n, vocab)))
+        ok = asyncio.run(send_all(s.url, workload(n, vocab), churn))
         wall = time.monotonic() - t0
     records = []
     for path in glob.glob(f"{prof}.*"):
         records += [json.loads(line) for line in Path(path).read_text().splitlines()]
-    row = {"case": case, "requests": n, "ok": ok, "wall_s": round(wall, 1), "calls": len(records)}
+    row = {"case": case, "requests": n, "churn": churn, "ok": ok, "wall_s": round(wall, 1),
+           "calls": len(records)}  # fmt: skip
     for name, (lo, hi) in BINS.items():
         ms = [1e3 * r["s"] for r in records if r["admitted"] > 0 and lo <= r["waiting"] <= hi]
         row[name] = {
@@ -112,13 +133,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument(
+        "--churn",
+        action="store_true",
+        help="half the requests at once, half as a stream; 1 in 10 abandoned",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-sglang-live-"))
     model = live_rig.write_tiny_llama(work / "model")
     rows = []
     for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
-        row = run_case(case, model, args.requests, work)
+        row = run_case(case, model, args.requests, work, args.churn)
         rows.append(row)
         if not args.json:
             cells = "  ".join(

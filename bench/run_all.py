@@ -64,6 +64,7 @@ def main() -> None:
             ["--waiting", "1000", "--cases", "plugin:dlpm,plugin-exact:dlpm", "--cache", "unified"]
         ),
         "sglang_live": bench_sglang_live.main([]),
+        "sglang_live_churn": bench_sglang_live.main(["--churn", "--requests", "2000"]),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)
