@@ -21,6 +21,7 @@ import bench_policy_step  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
 import bench_sglang_live  # noqa: E402
+import bench_sglang_side_by_side  # noqa: E402
 import bench_sim_speed  # noqa: E402
 
 from sgl_fair.experiment import bros  # noqa: E402
@@ -65,6 +66,7 @@ def main() -> None:
         ),
         "sglang_live": bench_sglang_live.main([]),
         "sglang_live_churn": bench_sglang_live.main(["--churn", "--requests", "2000"]),
+        "sglang_side_by_side": bench_sglang_side_by_side.main([]),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)
