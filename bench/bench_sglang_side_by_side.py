@@ -14,10 +14,14 @@ Reported per stack: tokens served (by calls finished within T), each tenant's TT
 and served tokens, offered vs served calls, the CPU-seconds over the load window of each
 process group (SGLang servers with their scheduler/detokenizer children; the gateway; our
 router; our bridges) read with psutil, tokens per server-CPU-second, and the relay's CPU
-(gateway, or router + bridges) per streamed token; then ours / SGLang's ratios.
+(gateway, or router + bridges) per streamed token, also less its fixed cost (each group's
+CPU per second over ``--idle`` seconds without load, just before); then ours / SGLang's.
 
     .venv/bin/python bench/bench_sglang_side_by_side.py [--duration 30] [--flood 24]
         [--max-running 2] [--stacks sglang,ours] [--json runs/side.json]
+
+``--stacks sglang,ours@REV,ours`` adds our stack as it was at git revision REV (its code first
+on the launcher's ``PYTHONPATH``, from ``git archive`` into a temp dir): before/after in one run.
 
 Runs vary (±15 % on a shared 2-core machine): compare the ratios of one run, and repeat.
 """
@@ -243,7 +247,35 @@ def run_sglang(model: Path, tmp: Path, args: argparse.Namespace, vocab: int) -> 
             s.stop()
 
 
-def run_ours(model: Path, tmp: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+# where the editable install maps each package (pyproject's package-dir)
+_PACKAGE_DIRS = {
+    "router": "router", "worker": "worker", "launch": "apps/launch", "demo": "apps/demo",
+    "experiment": "apps/experiment", "loadtest": "apps/loadtest", "kernels": "kernels",
+    "workloads": "workloads",
+}  # fmt: skip
+
+
+def source_at(rev: str, tmp: Path) -> Path:
+    """A directory that, first on ``PYTHONPATH``, makes ``sgl_fair`` the code at git ``rev``
+    (for a before/after in one run); under ``tmp``."""
+    src = tmp / f"src-{rev}"
+    src.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True,
+                             check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = tmp / f"pkg-{rev}"
+    pkg.mkdir()
+    (pkg / "sgl_fair").symlink_to(src / "sgl_fair")
+    for name, rel in _PACKAGE_DIRS.items():
+        link = src / "sgl_fair" / name
+        if (src / rel).is_dir() and not link.exists():
+            link.symlink_to(src / rel)
+    return pkg
+
+
+def run_ours(
+    model: Path, tmp: Path, args: argparse.Namespace, vocab: int, rev: str | None = None
+) -> dict[str, Any]:
     import httpx
 
     tenants = tmp / "tenants.toml"
@@ -259,8 +291,11 @@ def run_ours(model: Path, tmp: Path, args: argparse.Namespace, vocab: int) -> di
            *live_rig.CPU_FLAGS, *server_args(args)]  # fmt: skip
     with open(log, "w") as out:
         env = live_rig.server_env(cores="0|1")
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        if rev is not None:  # our stack as it was at rev
+            env["PYTHONPATH"] = os.pathsep.join([str(source_at(rev, tmp)), env["PYTHONPATH"]])
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True
+        )  # fmt: skip (cwd: not this checkout)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, proc, log, 600)
@@ -277,13 +312,17 @@ def run_ours(model: Path, tmp: Path, args: argparse.Namespace, vocab: int) -> di
 
 def measure(url: str, groups: dict[str, list[int]], relay: tuple[str, ...],
             args: argparse.Namespace, vocab: int) -> dict[str, Any]:  # fmt: skip
+    idle0 = cpu_snapshot(groups)
+    time.sleep(args.idle)  # no load: each group's fixed cost (heartbeats, polls, watchdogs)
     before = cpu_snapshot(groups)
+    idle = {g: round(v / args.idle, 4) for g, v in cpu_delta(idle0, before).items()}
     t0 = time.monotonic()
     tenants = asyncio.run(drive(url, args, vocab))
     wall = time.monotonic() - t0
     cpu = cpu_delta(before, cpu_snapshot(groups))
     tokens = sum(t["tokens"] for t in tenants.values())
     relay_cpu = sum(cpu[g] for g in relay)
+    relay_busy = relay_cpu - sum(idle[g] for g in relay) * wall  # less the fixed cost
     return {
         "tokens": tokens,
         "tenants": tenants,
@@ -292,6 +331,8 @@ def measure(url: str, groups: dict[str, list[int]], relay: tuple[str, ...],
         "relay_cpu_s": round(relay_cpu, 3),
         "tokens_per_server_cpu_s": round(tokens / max(cpu["servers"], 1e-9), 1),
         "relay_cpu_ms_per_token": round(1000 * relay_cpu / max(tokens, 1), 4),
+        "idle_cpu_per_s": idle,
+        "relay_busy_cpu_ms_per_token": round(1000 * relay_busy / max(tokens, 1), 4),
     }
 
 
@@ -308,6 +349,9 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
             ours["tokens_per_server_cpu_s"], theirs["tokens_per_server_cpu_s"]
         ),  # fmt: skip
         "relay_cpu_per_token": r(ours["relay_cpu_ms_per_token"], theirs["relay_cpu_ms_per_token"]),
+        "relay_busy_cpu_per_token": r(
+            ours["relay_busy_cpu_ms_per_token"], theirs["relay_busy_cpu_ms_per_token"]
+        ),  # fmt: skip
     }
 
 
@@ -319,8 +363,9 @@ def table(results: dict[str, Any]) -> str:
         t = r["tenants"]
         lines.append(
             f"{name:7s} tokens {r['tokens']:6d}  relay {r['relay_cpu_ms_per_token']:.3f} ms/token "
-            f"({r['relay_cpu_s']:.2f} s)  server tokens/CPU-s {r['tokens_per_server_cpu_s']:.0f}  "
-            f"cpu {r['cpu_s']}"
+            f"({r['relay_cpu_s']:.2f} s; {r['relay_busy_cpu_ms_per_token']:.3f} less idle)  "
+            f"server tokens/CPU-s {r['tokens_per_server_cpu_s']:.0f}  cpu {r['cpu_s']}  "
+            f"idle cpu/s {r['idle_cpu_per_s']}"
         )
         for tn, s in t.items():
             lines.append(
@@ -328,8 +373,8 @@ def table(results: dict[str, Any]) -> str:
                 f"tokens {s['tokens']}  TTFT P50 {s['ttft_p50_s']:.3f} s  "
                 f"P99 {s['ttft_p99_s']:.3f} s"
             )
-    if "ratios" in results:
-        lines.append(f"ours/sglang: {results['ratios']}")
+    for name, r in results.get("ratios", {}).items():
+        lines.append(f"{name}/sglang: {r}")
     return "\n".join(lines)
 
 
@@ -342,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--own-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--stacks", default="sglang,ours")
+    ap.add_argument("--idle", type=float, default=5.0, help="seconds measured without load")
+    ap.add_argument("--stacks", default="sglang,ours", help="sglang, ours, ours@REV")
     ap.add_argument("--json", default=None, help="write the result here (under runs/)")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
@@ -351,12 +397,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = live_rig.write_tiny_llama(tmp / "model")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         for stack in args.stacks.split(","):
-            run = run_sglang if stack == "sglang" else run_ours
             (tmp / stack).mkdir()
-            results[stack] = run(model, tmp / stack, args, vocab)
+            if stack == "sglang":
+                results[stack] = run_sglang(model, tmp / stack, args, vocab)
+            else:  # "ours", or "ours@REV": our stack at a git revision
+                rev = stack.partition("@")[2] or None
+                results[stack] = run_ours(model, tmp / stack, args, vocab, rev)
             print(f"{stack}: {json.dumps(results[stack])}", flush=True)
-    if "sglang" in results and "ours" in results:
-        results["ratios"] = ratios(results["ours"], results["sglang"])
+    if "sglang" in results:
+        for name in [k for k in results if k.startswith("ours")]:
+            results.setdefault("ratios", {})[name] = ratios(results[name], results["sglang"])
     shown = {k: v for k, v in results.items() if k != "config"}
     print(table(shown))
     if args.json:

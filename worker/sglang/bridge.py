@@ -61,7 +61,6 @@ from .http_api import (
     SSEParser,
     StreamState,
     auth_headers,
-    decode_json,
     error_message,
     generate_body,
     get_json,
@@ -148,11 +147,31 @@ class Bridge:
         # are answered lost at once and no Load goes out until /health answers again, so the
         # router routes around this worker instead of taking it back at the next Load.
         self.server_down = False
+        self._tokens: list[tuple[str, tuple[int, ...]]] = []  # read, not yet sent
+        self._tokens_due: asyncio.Handle | None = None
 
     # ---- io ------------------------------------------------------------------------------
 
     def send(self, msg: Any) -> None:
+        if self._tokens:  # the tokens read so far go first: a Finished never overtakes them
+            self._send_tokens()
         self.outbox.send(encode(msg), copy=False)
+
+    def tokens(self, rid: str, ids: tuple[int, ...]) -> None:
+        """New tokens of ``rid``: sent with every other stream's read in the same pass of the
+        event loop, one ``Tokens`` message (not one per stream chunk)."""
+        self._tokens.append((rid, ids))
+        if self._tokens_due is None:
+            self._tokens_due = asyncio.get_running_loop().call_soon(self._send_tokens)
+
+    def _send_tokens(self) -> None:
+        if self._tokens_due is not None:
+            self._tokens_due.cancel()
+            self._tokens_due = None
+        items, self._tokens = self._tokens, []
+        if items:
+            msg = Tokens(self.cfg.wid, time.time(), tuple(items))
+            self.outbox.send(encode(msg), copy=False)
 
     def stop(self, code: int, why: str | None = None) -> None:
         if self.done.is_set():
@@ -393,9 +412,9 @@ class Bridge:
                         self._side(read_to_end(resp))
                         resp = None
                         return job.stream.outcome(job.abort_reason)
-                    new = job.stream.feed(decode_json(payload))
+                    new = job.stream.feed_bytes(payload)
                     if new:
-                        self.send(Tokens(self.cfg.wid, time.time(), ((req.rid, tuple(new)),)))
+                        self.tokens(req.rid, tuple(new))
             return job.stream.outcome(job.abort_reason)
         finally:
             if resp is not None:
@@ -482,6 +501,16 @@ async def read_to_end(resp: aiohttp.ClientResponse, timeout_s: float = 1.0) -> N
         resp.release()
 
 
+def _run(coro: Any) -> int:
+    """``coro`` on uvloop where it is installed (as the router runs; a cheaper loop pass per
+    stream chunk than asyncio's own), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:  # optional (not on Windows)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def bridge_main(cfg: BridgeConfig) -> None:
     """Process entry point (multiprocessing spawn target); exits non-zero when its server
     is gone, so the router's process watch marks the worker dead."""
@@ -499,7 +528,7 @@ def bridge_main(cfg: BridgeConfig) -> None:
             bridge.close()
 
     try:
-        code = asyncio.run(main())
+        code = _run(main())
     finally:
         sys.stdout.flush()
     if code:

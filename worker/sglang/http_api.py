@@ -284,20 +284,40 @@ class StreamState:
             code = err.get("code") if isinstance(err, dict) else None
             self.error = (code, error_message(json.dumps(obj)))
             return []
-        ids = obj.get("output_ids") or []
-        new = list(ids) if self.incremental else list(ids[len(self.output_ids) :])
-        self.output_ids.extend(new)
         meta = obj.get("meta_info") or {}
-        cached = meta.get("cached_tokens")
-        if isinstance(cached, int):
-            self.cached_tokens = cached
-        queued = meta.get("queue_time")
-        if isinstance(queued, (int, float)) and not isinstance(queued, bool) and queued >= 0:
-            self.queue_s = float(queued)
-        if meta.get("finish_reason") is not None:
-            self.finish = meta["finish_reason"]
+        new = self._take(obj.get("output_ids"), meta.get("cached_tokens"),
+                         meta.get("queue_time"), meta.get("finish_reason"))  # fmt: skip
         if self.want_logprobs:
             self._take_logprobs(meta)
+        return new
+
+    def feed_bytes(self, payload: bytes) -> list[int]:
+        """``feed`` of one event's JSON, reading only the fields the bridge uses (SGLang's
+        chunks also carry the whole text so far and a dozen counters): the common event
+        without logprobs or an error is decoded into a struct of those fields; any other
+        takes ``feed``'s path. A ValueError when it is not JSON."""
+        if not self.want_logprobs:
+            try:
+                ev = _decode_event(payload)
+            except msgspec.ValidationError:
+                ev = None  # not the plain shape: the general path says what it is
+            if ev is not None and ev.error is msgspec.UNSET:
+                m = ev.meta_info
+                if m is None:
+                    return self._take(ev.output_ids, None, None, None)
+                return self._take(ev.output_ids, m.cached_tokens, m.queue_time, m.finish_reason)
+        return self.feed(decode_json(payload))
+
+    def _take(self, ids: Any, cached: Any, queued: Any, finish: Any) -> list[int]:
+        ids = ids or []
+        new = list(ids) if self.incremental else list(ids[len(self.output_ids) :])
+        self.output_ids.extend(new)
+        if isinstance(cached, int):
+            self.cached_tokens = cached
+        if isinstance(queued, (int, float)) and not isinstance(queued, bool) and queued >= 0:
+            self.queue_s = float(queued)
+        if finish is not None:
+            self.finish = finish
         return new
 
     def _take_logprobs(self, meta: dict[str, Any]) -> None:
@@ -356,6 +376,23 @@ class StreamState:
 
 
 decode_json = msgspec.json.Decoder().decode  # a ValueError on bad JSON; faster than json
+
+
+class _Meta(msgspec.Struct, gc=False):
+    cached_tokens: Any = None
+    queue_time: Any = None
+    finish_reason: Any = None
+
+
+class _Event(msgspec.Struct, gc=False):
+    """The fields of a stream event the bridge reads; the rest is skipped, not built."""
+
+    output_ids: Any = None
+    meta_info: _Meta | None = None
+    error: Any = msgspec.UNSET
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
 
 __all__ = [
     "DEFAULT_RETRY_AFTER_S",
