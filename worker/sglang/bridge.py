@@ -10,7 +10,8 @@ One process per server. It waits for ``GET /health``, reads the server's capacit
 ``/server_info``, says ``Hello``, then turns each ``Dispatch`` into a streaming ``/generate``
 with the request's token ids; the client id travels as ``routing_key``, which our scheduler
 plugin reads inside SGLang (never ``extra_key``: that would partition SGLang's prefix cache).
-Each stream chunk's new token ids become a ``Tokens`` message, its end one ``Finished``.
+Each stream chunk's new token ids go out in a ``Tokens`` message (those of every stream
+read in one event-loop pass together: ``relay.TokenBatch``), its end as one ``Finished``.
 Every failure is a ``Finished`` too (REJECTED for the server's 4xx, ABORTED otherwise): a
 dispatched request is never lost.
 
@@ -26,7 +27,6 @@ import: the bridge talks HTTP only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -50,7 +50,6 @@ from sgl_fair.messages import (
     Hello,
     Load,
     Shutdown,
-    Tokens,
 )
 from sgl_fair.request import Request
 from sgl_fair.transport import Endpoints, WireError, decode, encode
@@ -69,6 +68,7 @@ from .http_api import (
     retry_after_header,
     status_outcome,
 )
+from .relay import TokenBatch, process_alive, read_to_end, run_loop
 
 log = logging.getLogger("sgl_fair.bridge")
 
@@ -147,31 +147,15 @@ class Bridge:
         # are answered lost at once and no Load goes out until /health answers again, so the
         # router routes around this worker instead of taking it back at the next Load.
         self.server_down = False
-        self._tokens: list[tuple[str, tuple[int, ...]]] = []  # read, not yet sent
-        self._tokens_due: asyncio.Handle | None = None
+        # new tokens of every stream read in one event-loop pass: one Tokens message
+        self.batch = TokenBatch(cfg.wid, self.outbox)
+        self.tokens = self.batch.add
 
     # ---- io ------------------------------------------------------------------------------
 
     def send(self, msg: Any) -> None:
-        if self._tokens:  # the tokens read so far go first: a Finished never overtakes them
-            self._send_tokens()
+        self.batch.flush()  # the tokens read so far go first: a Finished never overtakes them
         self.outbox.send(encode(msg), copy=False)
-
-    def tokens(self, rid: str, ids: tuple[int, ...]) -> None:
-        """New tokens of ``rid``: sent with every other stream's read in the same pass of the
-        event loop, one ``Tokens`` message (not one per stream chunk)."""
-        self._tokens.append((rid, ids))
-        if self._tokens_due is None:
-            self._tokens_due = asyncio.get_running_loop().call_soon(self._send_tokens)
-
-    def _send_tokens(self) -> None:
-        if self._tokens_due is not None:
-            self._tokens_due.cancel()
-            self._tokens_due = None
-        items, self._tokens = self._tokens, []
-        if items:
-            msg = Tokens(self.cfg.wid, time.time(), tuple(items))
-            self.outbox.send(encode(msg), copy=False)
 
     def stop(self, code: int, why: str | None = None) -> None:
         if self.done.is_set():
@@ -184,7 +168,7 @@ class Bridge:
     def _gone(self) -> str | None:
         """Why the bridge must stop: its server process or its launcher is gone."""
         pid = self.cfg.server_pid
-        if pid is not None and not _process_alive(pid):
+        if pid is not None and not process_alive(pid):
             return f"SGLang server process {pid} is gone"
         if os.getppid() != self.parent:
             return "the launcher exited"
@@ -476,41 +460,6 @@ class Bridge:
         self.sctx.term()
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-async def read_to_end(resp: aiohttp.ClientResponse, timeout_s: float = 1.0) -> None:
-    """Read what is left of ``resp`` (``timeout_s`` at most), then let its connection go:
-    back to the pool when the response ended, closed when it did not."""
-    try:
-        with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
-            await asyncio.wait_for(resp.content.read(), timeout_s)
-    finally:
-        resp.release()
-
-
-def _run(coro: Any) -> int:
-    """``coro`` on uvloop where it is installed (as the router runs; a cheaper loop pass per
-    stream chunk than asyncio's own), else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:  # optional (not on Windows)
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def bridge_main(cfg: BridgeConfig) -> None:
     """Process entry point (multiprocessing spawn target); exits non-zero when its server
     is gone, so the router's process watch marks the worker dead."""
@@ -528,7 +477,7 @@ def bridge_main(cfg: BridgeConfig) -> None:
             bridge.close()
 
     try:
-        code = _run(main())
+        code = run_loop(main())
     finally:
         sys.stdout.flush()
     if code:

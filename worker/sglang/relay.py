@@ -1,0 +1,83 @@
+"""The bridge's plumbing, apart from what it says: tokens batched per event-loop pass, a
+response read to its end off the call's path, whether a process runs, the event loop.
+
+``TokenBatch``: SGLang streams one event per request per decode step; sending each as its
+own zmq message costs the bridge, libzmq's I/O threads and the router a wake-up per token.
+The tokens of every stream read in one pass of the loop leave as one ``Tokens`` message, at
+the end of that pass (``call_soon``), or before anything the bridge sends meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import Any
+
+import aiohttp
+import zmq
+
+from sgl_fair.messages import Tokens
+from sgl_fair.transport import encode
+
+
+class TokenBatch:
+    def __init__(self, wid: int, outbox: zmq.Socket) -> None:
+        self.wid = wid
+        self.outbox = outbox
+        self.items: list[tuple[str, tuple[int, ...]]] = []  # read, not yet sent
+        self.due: asyncio.Handle | None = None
+
+    def add(self, rid: str, ids: tuple[int, ...]) -> None:
+        """New tokens of ``rid``: sent at the end of this loop pass with the others'."""
+        self.items.append((rid, ids))
+        if self.due is None:
+            self.due = asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self.due is not None:
+            self.due.cancel()
+            self.due = None
+        if self.items:
+            items, self.items = self.items, []
+            msg = Tokens(self.wid, time.time(), tuple(items))
+            self.outbox.send(encode(msg), copy=False)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+async def read_to_end(resp: aiohttp.ClientResponse, timeout_s: float = 1.0) -> None:
+    """Read what is left of ``resp`` (``timeout_s`` at most), then let its connection go:
+    back to the pool when the response ended, closed when it did not."""
+    try:
+        with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+            await asyncio.wait_for(resp.content.read(), timeout_s)
+    finally:
+        resp.release()
+
+
+def run_loop(coro: Any) -> int:
+    """``coro`` on uvloop where it is installed (as the router runs; a cheaper loop pass per
+    stream chunk than asyncio's own), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:  # optional (not on Windows)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+__all__ = ["TokenBatch", "process_alive", "read_to_end", "run_loop"]
