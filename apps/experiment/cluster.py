@@ -77,6 +77,11 @@ def apply_overrides(specs: Sequence[RunSpec], ov: Overrides) -> list[RunSpec]:
             base = next(iter(combos.values()))
             router, local = ov.router or base.router, ov.local or base.local
             replacement = Combo(f"{router}+{local}", router, local)
+    # A value some runs have already selects them (a slice of a sweep: the grid's own runs at
+    # --dp 4, with the durations the grid gives that dp); a value none has is set on all.
+    dims = {name: getattr(ov, name) for name in ("dp", "workload", "gpu", "model")}
+    dims = {name: v for name, v in dims.items() if v is not None}
+    selects = {name for name, v in dims.items() if any(getattr(s, name) == v for s in specs)}
     out: list[RunSpec] = []
     seen: set[tuple] = set()
     for s in specs:
@@ -85,16 +90,17 @@ def apply_overrides(specs: Sequence[RunSpec], ov: Overrides) -> list[RunSpec]:
             changes["combo"] = replacement
         elif _combo_key(s.combo) not in keep:
             continue
-        for name in ("dp", "workload", "gpu", "model"):
-            value = getattr(ov, name)
-            if value is not None:
+        if any(getattr(s, name) != dims[name] for name in selects):
+            continue
+        for name, value in dims.items():
+            if name not in selects:
                 changes[name] = value
         if ov.scenario is not None:
             changes["scenario"] = None if ov.scenario == "none" else ov.scenario
         elif ov.workload == "chat":
             changes["scenario"] = None  # chat is the Fig. 8 flood: it has no S1/S2
         s = s.replace(**changes) if changes else s
-        key = (_combo_key(s.combo), s.dp, s.workload, s.scenario, s.gpu, s.model, s.x,
+        key = (_combo_key(s.combo), s.dp, s.workload, s.scenario, s.gpu, s.model, s.x, s.duration_s,
                s.replicas, s.report_period_s, s.shared_state)  # fmt: skip
         if key not in seen:
             seen.add(key)

@@ -79,6 +79,21 @@ def test_overrides_select_a_slice_or_make_a_pairing():
     )
 
 
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_a_dp_slice_of_the_grid_is_the_grid_at_that_dp(dp):
+    """``--dp N`` on the whole grid runs each pairing as the grid's own dp-N cell: the same
+    durations for every pairing of a cell (before, D2LPM, RR+LPM and VTC kept the dp-1 spec's
+    60 s while the pairings absent at dp 1 ran 60/N s), and the same specs as slicing the cell."""
+    specs = EXPERIMENTS["d2lpm-grid"].build(True, 0)
+    got = apply_overrides(specs, Overrides(dp=dp))
+    want = [s for s in specs if s.dp == dp]
+    assert sorted(got, key=repr) == sorted(want, key=repr)
+    for wl in ("tot", "judge", "longqa"):
+        cell = apply_overrides(specs, Overrides(dp=dp, workload=wl, scenario="s1"))
+        assert len({s.duration_s for s in cell}) == 1, {s.combo.label: s.duration_s for s in cell}
+        assert cell == [s for s in want if s.workload == wl and s.scenario == "s1"]
+
+
 def test_one_run_row_has_the_issue_fields_and_sane_values():
     row = run_one(RunSpec(D2LPM, 2, "judge", "s1", 8.0, gpu="A10G-24GB", model="Llama-3.2-3B"))
     assert set(row) >= ROW_FIELDS
