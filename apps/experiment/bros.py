@@ -266,7 +266,7 @@ def _result(exp: BrosExperiment, quick, seed, duration, rows, claims) -> dict[st
         "worker": {"gpu": GPU, "model": MODEL, "tp": TP, "block_size": BLOCK_SIZE},
         "rows": rows,
         "claims": claims,
-        "all_claims_passed": all(c["passed"] for c in claims),
+        "all_claims_passed": all(c["passed"] for c in claims) if claims else None,
     }
 
 

@@ -435,7 +435,7 @@ def run(
         "premises": checked,
         "rows": rows,
         "claims": checks,
-        "all_claims_passed": all(c["passed"] for c in checks),
+        "all_claims_passed": all(c["passed"] for c in checks) if checks else None,
         "sim_wall_s": round(time.perf_counter() - wall0, 3),
     }
 

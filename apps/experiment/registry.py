@@ -72,7 +72,11 @@ class ExperimentOutput:
         return len(self.rows)
 
     @property
-    def all_claims_passed(self) -> bool:
+    def all_claims_passed(self) -> bool | None:
+        """Whether every claim passed; None for a result with no claims (a run that checks
+        nothing passes nothing: ``True`` there read as a check that held)."""
+        if not self.claims:
+            return None
         return all(c["passed"] if isinstance(c, dict) else c.passed for c in self.claims)
 
     def to_json(self) -> dict[str, Any]:
