@@ -67,6 +67,10 @@ class Backend:
     # Its workers can be shared by several routers (``replica_workers``), so
     # ``--router-replicas`` can start them once and put several routers over them.
     replicable: ClassVar[bool] = True
+    # Its workers report the service every router dispatched to them (``ServiceReport`` with
+    # each ``Load``), so router replicas over them can share one fairness state
+    # (``--replica-state shared``; docs/replicas.md). SGLang's plugin sends none.
+    reports_service: ClassVar[bool] = False
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         """Whether flags given without ``--backend`` name this backend."""
@@ -283,6 +287,7 @@ class RemoteBackend(Backend):
 
     name = "remote"
     replicable = False  # it starts no workers to share
+    reports_service = True  # standalone workers (python -m sgl_fair.worker --bind)
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         return bool(a.worker_endpoint or a.worker_endpoints_file)

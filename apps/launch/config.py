@@ -240,7 +240,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
             if not os.path.isfile(os.path.join(a.worker_keys, name)):
                 bad(f"--worker-keys {a.worker_keys}: {name} is missing (python -m "
                     "sgl_fair.worker --make-keys DIR writes both)")  # fmt: skip
-    shared = backend.name == "remote" and a.replica_state == "shared"
+    shared = backend.reports_service and a.replica_state == "shared"
     if a.tenants is not None:
         try:
             load_tenants(a.tenants)

@@ -52,10 +52,20 @@ def test_the_parsers_take_what_the_backend_declares() -> None:
     assert e.value.param == "sampling_params.regex"
 
 
-# a comparison with a backend's or engine's name: `backend == "sglang"`, `engine != "sim"`, ...
+# a comparison with a backend's or engine's name: `backend == "sglang"`, `engine != "sim"`,
+# `backend.name == "remote"`, `cfg.backend in ("sim", ...)`, `"torch" == engine`, ...
+_NAMES = "|".join(sorted(BACKENDS))
 NAME_BRANCH = re.compile(
-    r"""(backend|engine)\s*(==|!=|\bin\b|\bnot in\b)\s*[(\[]?\s*["'](sim|torch|sglang)["']"""
+    rf"""(backend|engine)(\.name)?\s*(==|!=|\bin\b|\bnot in\b)\s*[(\[{{]?\s*["']({_NAMES})["']"""
+    rf"""|["']({_NAMES})["']\s*(==|!=)\s*\w*\.?(backend|engine)"""
 )
+
+
+def test_the_name_branch_check_catches_each_form() -> None:
+    for line in ('shared = backend.name == "remote" and x', 'if cfg.backend in ("sim", "torch"):',
+                 'engine != "sglang"', 'if "torch" == cfg.engine:'):  # fmt: skip
+        assert NAME_BRANCH.search(line), line
+    assert not NAME_BRANCH.search('bad(f"--backend {backend.name} starts no workers")')
 
 
 @pytest.mark.parametrize("folder", ["apps/launch", "router/protocol"])
