@@ -298,8 +298,9 @@ def test_oit_throttles_only_new_interactions_and_only_when_overloaded(ops) -> No
     p.attach_load(load)
     d = Driver(p)
     current: dict[str, str] = {}
+    arrivals: dict[str, list[float]] = {}  # every arrival counts, throttled ones too
     for t, (u, cont, kv, n_admit) in enumerate(ops):
-        d.view.now = t * 0.5
+        d.view.now = now = t * 0.5
         load.kv = kv
         d.admit(n_admit)
         user = f"u{u}"
@@ -307,6 +308,11 @@ def test_oit_throttles_only_new_interactions_and_only_when_overloaded(ops) -> No
         iid = current[user] if continuing else f"{user}-{t}"
         overloaded = p.overloaded()
         ok = d.arrive(call(user, iid=iid))
+        times = arrivals.setdefault(user, [])
+        times.append(now)
+        in_window = sum(1 for x in times if x > now - 30)
+        if overloaded and not continuing and in_window > 3:
+            assert not ok, f"{user}: {in_window} calls in the window, a new interaction let in"
         if not ok:
             assert overloaded, "throttled while not overloaded"
             assert not continuing, "throttled mid-interaction"
