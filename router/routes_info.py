@@ -112,9 +112,16 @@ def server_info_dict(state: ServerState) -> dict[str, Any]:
         ],
         # ... then ours; the per-worker state is under "workers"
         "backend": cfg.backend,
-        "gpu": cfg.gpu,
-        "model": cfg.model,
-        "time_scale": None if math.isinf(cfg.time_scale) else cfg.time_scale,
+        # the simulated engine's GPU, model and clock; null where a real engine serves
+        **(
+            {
+                "gpu": cfg.gpu,
+                "model": cfg.model,
+                "time_scale": None if math.isinf(cfg.time_scale) else cfg.time_scale,
+            }
+            if state.features.simulated
+            else {"gpu": None, "model": state.model_name, "time_scale": None}
+        ),  # fmt: skip
         "schedule_policy": cfg.schedule_policy,
         "schedule_policy_opts": cfg.schedule_policy_opts,
         # what our SGLang plugin reports (worker/sglang/plugin.py): the workers' policy,

@@ -71,6 +71,9 @@ class Backend:
     # each ``Load``), so router replicas over them can share one fairness state
     # (``--replica-state shared``; docs/replicas.md). SGLang's plugin sends none.
     reports_service: ClassVar[bool] = False
+    # Flags of our own engine and scheduler that this backend's workers never read: given
+    # with it, they are an error naming the flag (else accepted and silently ignored).
+    ignores: ClassVar[tuple[str, ...]] = ()
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         """Whether flags given without ``--backend`` name this backend."""
@@ -146,6 +149,7 @@ class Backend:
 class SimBackend(Backend):
     name = "sim"
     simulated = True
+    features = EngineFeatures(simulated=True)
 
 
 class TorchBackend(Backend):
@@ -202,6 +206,9 @@ class SGLangBackend(Backend):
     features = EngineFeatures(passthrough=True)
     kv_allocator = False
     sglang_servers = True
+    # SGLang's own scheduler and model run the requests: no simulated GPU, clock or EOS, and
+    # no share guard (the plugin orders SGLang's queue; SGLang retracts by its own rule)
+    ignores = ("gpu", "time_scale", "sim_eos", "share_guard")
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         return bool(a.worker_url)

@@ -22,6 +22,10 @@ from sgl_fair.worker.sim.text import EosLengths
 
 log = logging.getLogger("sgl_fair.launch")
 
+# Flags of our simulated engine and scheduler (None in the parser, so "given" is known), and
+# their defaults; a backend that never reads one declares it (``Backend.ignores``).
+ENGINE_FLAGS = {"gpu": "H100-80GB", "time_scale": 1.0, "sim_eos": "192,0.9", "share_guard": "auto"}
+
 __all__ = ["TORCH_PRESETS", "LaunchConfig", "cluster_oit_settings", "local_policy_opts",
            "parse_config", "share_guard_on"]  # fmt: skip
 
@@ -135,6 +139,12 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
     backend = chosen_backend(a)
     if a.model is None:
         a.model = backend.default_model
+    for f, default in ENGINE_FLAGS.items():  # our engine's flags, given where none reads them
+        if getattr(a, f) is not None and f in backend.ignores:
+            bad(f"--{f.replace('_', '-')}: --backend {backend.name} does not use it (its "
+                "servers run SGLang's own scheduler and model)")  # fmt: skip
+        if getattr(a, f) is None:
+            setattr(a, f, default)
     for other in BACKENDS.values():  # a backend's own flags, given with another
         given = [f"--{f.replace('_', '-')}" for f in other.own_flags if getattr(a, f) is not None]
         if given and other is not backend:

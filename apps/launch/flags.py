@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-check-timeout", type=float, default=30.0, metavar="S",
         help="sglang: a server whose /health fails this long is taken out of routing",
     )  # fmt: skip
-    p.add_argument("--gpu", default="H100-80GB", help="sim: " + ", ".join(GPUS))
+    p.add_argument("--gpu", default=None, help="sim: " + ", ".join(GPUS) + " (default H100-80GB)")
     p.add_argument(
         "--model", default=None,
         help="sim: " + ", ".join(MODELS) + " (default Llama-3.1-8B); torch: tiny (the default) "
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=None)
     p.add_argument("--kv-tokens", type=int, default=None, help="sim: KV pool per worker (tokens)")
     p.add_argument(
-        "--time-scale", type=float, default=1.0,
+        "--time-scale", type=float, default=None,
         help="sim: simulated seconds per wall second (2 = twice as fast as the GPU; "
         "inf = zero-cost engine)",
     )  # fmt: skip
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-page-size", type=int, default=16, help="KV-event block size (tokens)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
     p.add_argument(
-        "--sim-eos", default="192,0.9", metavar="MEDIAN[,SIGMA]|off",
+        "--sim-eos", default=None, metavar="MEDIAN[,SIGMA]|off",
         help="the simulated model stops on its own (EOS) after a log-normal number of tokens "
         "per request (default median 192, sigma 0.9; off: every request runs to its "
         "max_new_tokens); ignore_eos is respected",
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated output has sentence ends, commas and newlines (so stop strings fire)",
     )  # fmt: skip
     p.add_argument(
-        "--share-guard", choices=("auto", "on", "off"), default="auto",
+        "--share-guard", choices=("auto", "on", "off"), default=None,
         help="while a client waits, running requests of the client holding the most KV / "
         "running slots give way to it (auto: on for the fair policies vtc, dlpm, fairserve)",
     )  # fmt: skip

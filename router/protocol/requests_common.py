@@ -146,9 +146,14 @@ class EngineFeatures:
     ``passthrough``: the fields only a real engine can honour (constrained decoding,
     ``logit_bias``, LoRA, custom logit processors, multimodal input, sessions, ...) go to it
     untouched (``SamplingParams.engine_extra``, ``GenItem.extra``); without it each one set
-    is a 400 that says why, never silently dropped."""
+    is a 400 that says why, never silently dropped.
+
+    ``simulated``: the workers run our simulated engine, so its GPU, model and time scale are
+    what serves (``/server_info`` reports them; for a real engine they are not).
+    """
 
     passthrough: bool = False
+    simulated: bool = False
 
 
 NO_PASSTHROUGH = EngineFeatures()

@@ -43,7 +43,8 @@ def launched(*args: str, tmp_path, timeout_s: float = 90.0) -> Iterator[Live]:
     port = free_port()
     log_path = str(tmp_path / f"launch-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - closed below
-    if "--sim-eos" not in args:  # these tests count exact lengths: no early EOS unless asked
+    sglang = "--worker-url" in args or "sglang" in args  # SGLang servers: no simulated EOS
+    if "--sim-eos" not in args and not sglang:  # exact lengths here: no early EOS unless asked
         args = (*args, "--sim-eos", "off")
     cmd = [sys.executable, "-m", "sgl_fair.launch", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -353,6 +353,16 @@ def test_plain_and_streaming_generate_return_the_servers_tokens(rig):
 
 
 @pytest.mark.slow
+def test_server_info_names_the_simulated_engine_only_where_it_serves(rig):
+    """Over SGLang servers the router reports no simulated GPU or time scale (it did: the
+    simulator's defaults), and the served model as the model; the sim stand-in reports its."""
+    outer, sim = rig.outer.info(), rig.standin.info()
+    assert (outer["backend"], outer["gpu"], outer["time_scale"]) == ("sglang", None, None)
+    assert outer["model"] == outer["served_model_name"]
+    assert (sim["backend"], sim["gpu"], sim["time_scale"]) == ("sim", "H100-80GB", 4.0)
+
+
+@pytest.mark.slow
 def test_client_id_travels_as_routing_key_with_the_sampling_params(rig):
     sampling = {
         "max_new_tokens": 6, "min_new_tokens": 1, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
