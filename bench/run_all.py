@@ -66,7 +66,7 @@ def main() -> None:
         ),
         "sglang_live": bench_sglang_live.main([]),
         "sglang_live_churn": bench_sglang_live.main(["--churn", "--requests", "2000"]),
-        "sglang_side_by_side": bench_sglang_side_by_side.main([]),
+        "sglang_side_by_side": bench_sglang_side_by_side.main(["--duration", "10"]),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)
