@@ -5,16 +5,17 @@ events of one publisher (``sgl_fair/kv_events.py`` has the wire format and the w
 encoder) into ``TreeOp`` s for the router's global tree (``Stored``, ``Removed``,
 ``Cleared``), and the SGLang plugin's shadow cache uses it the same way.
 
-This module is pure (msgspec + stdlib).
+This module is pure (msgspec + numpy + stdlib).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from array import array
 from collections.abc import Iterable
 from itertools import chain
 
 import msgspec
+import numpy as np
 
 from sgl_fair.kv_events import (
     MEDIUM_GPU,
@@ -25,6 +26,7 @@ from sgl_fair.kv_events import (
     KVEvent,
     Tokens,
 )
+from sgl_fair.kv_hash_index import HashIndex, as_keys
 from sgl_fair.radix import common_len
 
 
@@ -48,34 +50,41 @@ class Cleared(msgspec.Struct, frozen=True, gc=False):
 TreeOp = Stored | Removed | Cleared
 
 
-Children = list[tuple[Tokens, int]]  # sibling pages as (tokens, hash), sorted
+class _Seg:
+    """A run of consecutive pages (one chain, one page size): its tokens and hashes in flat
+    arrays, no object per page. ``parent``/``poff``: the page it hangs below (None/-1 at the
+    root). ``children``: page offset → segments hanging below that page (besides the next
+    page of this run)."""
 
+    __slots__ = ("id", "parent", "poff", "size", "n", "tokens", "hashes", "children", "alive")
 
-class _Block:
-    """One known page: its parent page's hash (None at the root) and its own tokens.
-
-    ``children`` is None, one hash, or a sorted list of ``(tokens, hash)``: most pages
-    have at most one child (a chain; page size 1 means one block per token), so the
-    common case costs no list. Sorting lets a removal find, in O(log n), the surviving
-    sibling sharing the most leading tokens (it is adjacent in sorted order).
-    """
-
-    __slots__ = ("parent", "tokens", "children")
-
-    def __init__(self, parent: int | None, tokens: Tokens) -> None:
+    def __init__(self, sid: int, parent: _Seg | None, poff: int, size: int) -> None:
+        self.id = sid
         self.parent = parent
-        self.tokens = tokens
-        self.children: int | Children | None = None
+        self.poff = poff
+        self.size = size
+        self.n = 0
+        self.tokens = array("q")
+        self.hashes = array("q")
+        self.children: dict[int, list[_Seg]] | None = None
+        self.alive = True
+
+    def page(self, i: int) -> Tokens:
+        return tuple(self.tokens[i * self.size : (i + 1) * self.size])
+
+
+Pos = tuple["_Seg | None", int]  # a page: (segment, offset); (None, -1) is the root
 
 
 class KVEventDecoder:
     """One worker's event stream → ``TreeOp`` s for the router's global tree.
 
-    Keeps ``hash → (parent hash, page tokens)`` and rebuilds a page's full token path by
-    walking its parents, so memory stays linear in the tokens cached (storing each page's
-    whole path would be quadratic at page size 1, SGLang's default). Works for any block
-    size, including SGLang's last, shorter page of a radix node (``block_size`` is per
-    event there).
+    Pages are kept in runs (``_Seg``: consecutive pages of one chain, stored as flat arrays)
+    and found by hash through a numpy hash table (``kv_hash_index.HashIndex``), so memory has
+    no Python object per page (SGLang's default page size is 1: one page per token) and a
+    full GC does not walk the cache. A page's full token path is its runs' tokens from the
+    root. Works for any block size, including SGLang's last, shorter page of a radix node
+    (``block_size`` is per event there).
 
     Removals are token-exact: sibling pages (same parent) may share leading tokens — the
     page ``(5, 0, 0, 0)`` goes while ``(5, 1, 0, 0)`` stays — and the router's tree is a
@@ -92,11 +101,13 @@ class KVEventDecoder:
 
     def __init__(self, *, medium: str | None = MEDIUM_GPU) -> None:
         self.medium = medium
-        self._blocks: dict[int, _Block] = {}
-        self._roots: Children = []  # pages whose parent is the root
-        # The last path built and the hash of its last page: the next event of a step
-        # usually continues it (SGLang splits a node's chain when the last page is short).
-        self._last: tuple[int, Tokens] | None = None
+        self._index = HashIndex()
+        self._segs: dict[int, _Seg] = {}
+        self._roots: list[_Seg] = []
+        self._next_id = 0
+        self._num_pages = 0
+        # The last path built and its page: the next event usually continues it.
+        self._last: tuple[_Seg, int, Tokens] | None = None
         self.num_orphans = 0  # BlockStored events whose parent hash is unknown
         self.num_malformed = 0  # BlockStored events whose sizes do not add up
         self.num_unknown_removed = 0  # hashes in BlockRemoved never stored (or gone)
@@ -105,7 +116,7 @@ class KVEventDecoder:
     @property
     def num_blocks(self) -> int:
         """Pages currently known to be held."""
-        return len(self._blocks)
+        return self._num_pages
 
     def apply(self, batch: EventBatch | Iterable[KVEvent]) -> list[TreeOp]:
         """The tree operations for one batch (or a list of events), in order."""
@@ -113,8 +124,10 @@ class KVEventDecoder:
         ops: list[TreeOp] = []
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
-                self._blocks.clear()
+                self._index.clear()
+                self._segs.clear()
                 self._roots.clear()
+                self._num_pages = 0
                 self._last = None
                 ops.append(Cleared())
                 continue
@@ -131,21 +144,51 @@ class KVEventDecoder:
     def leaf_paths(self) -> list[Tokens]:
         """The token path of every known page with no known child: together, every path the
         worker holds (what a follower rebuilds its tree from)."""
-        return [self.path(h) for h, block in self._blocks.items() if not block.children]
+        return [
+            self._path(s, s.n - 1)
+            for s in self._segs.values()
+            if not (s.children and s.children.get(s.n - 1))
+        ]
 
     def path(self, block_hash: int) -> Tokens:
         """The token path from the root to the end of a known page (KeyError if unknown)."""
+        v = int(self._index.get(as_keys([block_hash]))[0])
+        if v < 0:
+            raise KeyError(block_hash)
+        return self._path(*self._pos(v))
+
+    # ---- positions -----------------------------------------------------------------------
+
+    def _pos(self, v: int) -> tuple[_Seg, int]:
+        return self._segs[v >> 32], v & 0xFFFFFFFF
+
+    def _path(self, seg: _Seg | None, i: int) -> Tokens:
+        if seg is None:
+            return ()
         last = self._last
-        if last is not None and last[0] == block_hash:
-            return last[1]
-        blocks = self._blocks
-        parts = []
-        h: int | None = block_hash
-        while h is not None:
-            block = blocks[h]
-            parts.append(block.tokens)
-            h = block.parent
+        if last is not None and last[0] is seg and last[1] == i:
+            return last[2]
+        parts = [seg.tokens[: (i + 1) * seg.size]]
+        s = seg
+        while s.parent is not None:
+            p = s.parent
+            parts.append(p.tokens[: (s.poff + 1) * p.size])
+            s = p
+        if len(parts) == 1:
+            return tuple(parts[0])
         return tuple(chain.from_iterable(reversed(parts)))
+
+    @staticmethod
+    def _parent_pos(seg: _Seg, i: int) -> Pos:
+        return (seg, i - 1) if i else (seg.parent, seg.poff)
+
+    def _children(self, seg: _Seg | None, i: int) -> list[tuple[_Seg, int]]:
+        if seg is None:
+            return [(c, 0) for c in self._roots]
+        out = [(seg, i + 1)] if i + 1 < seg.n else []
+        if seg.children:
+            out.extend((c, 0) for c in seg.children.get(i, ()))
+        return out
 
     # ---- stores --------------------------------------------------------------------------
 
@@ -154,15 +197,15 @@ class KVEventDecoder:
         if not hashes or size < 1 or len(token_ids) != size * len(hashes):
             self.num_malformed += 1
             return
-        blocks = self._blocks
+        index = self._index
         parent = ev.parent_block_hash
-        if parent is None:
-            prefix: Tokens = ()
-        elif parent in blocks:
-            prefix = self.path(parent)
-        else:
-            self.num_orphans += 1
-            return
+        anchor: Pos = (None, -1)
+        if parent is not None:
+            v = int(index.get(as_keys([parent]))[0])
+            if v < 0:
+                self.num_orphans += 1
+                return
+            anchor = self._pos(v)
         if type(token_ids[0]) is not int:
             # EAGLE's bigram pages: (t_j, t_j+1) holds the KV of t_j, so the page's token
             # path is the pairs' first tokens (a request matching it may match one token
@@ -170,142 +213,149 @@ class KVEventDecoder:
             tokens = tuple(pair[0] for pair in token_ids)
         else:
             tokens = tuple(token_ids)
-        end = 0
-        # The block new pages hang below (None at the root): within an event it is the
-        # page just added, whose child slot is empty, so linking is one assignment.
-        above = blocks[parent] if parent is not None else None
-        for i, h in enumerate(hashes):
-            page = tokens[i * size : (i + 1) * size]
-            known = blocks.get(h)
-            if known is None:
-                block = blocks[h] = _Block(parent, page)
-                if above is not None and above.children is None:
-                    above.children = h
-                else:
-                    self._link(parent, h, page)
-                above = block
-            elif known.parent != parent or known.tokens != page:
-                # The hash names another path (a collision, or a producer out of step):
-                # keep the first meaning; what follows in this event cannot be placed.
-                self.num_malformed += 1
+        keys = as_keys(hashes)
+        vals = index.get(keys)
+        n = len(hashes)
+        k = 0  # pages already known (a replay), each below the one before
+        cur = anchor
+        while k < n and vals[k] >= 0:
+            pos = self._pos(int(vals[k]))
+            pp = self._parent_pos(*pos)
+            if (
+                pp[0] is not cur[0]
+                or pp[1] != cur[1]
+                or pos[0].page(pos[1]) != tokens[k * size : (k + 1) * size]
+            ):
+                self.num_malformed += 1  # the hash names another path: keep the first meaning
+                n = k
                 break
-            else:  # stored twice (store once is the protocol, but a replay may repeat)
-                above = known
-            parent = h
-            end = (i + 1) * size
-        if end:
-            path = prefix + tokens[:end]
-            self._last = (hashes[end // size - 1], path)
+            cur = pos
+            k += 1
+        m = k
+        if m < n:
+            new = vals[k:n] < 0
+            m = n if new.all() else k + int(np.argmin(new))
+            if m > k and len(np.unique(keys[k:m])) < m - k:  # a hash twice in the event
+                seen: set[int] = set()
+                m = k
+                while m < n and vals[m] < 0 and hashes[m] not in seen:
+                    seen.add(hashes[m])
+                    m += 1
+            if m < n:
+                self.num_malformed += 1
+            if m > k:
+                cur = self._add(cur, size, tokens[k * size : m * size], keys[k:m])
+        if m:
+            path = self._path(*anchor) + tokens[: m * size]
+            assert cur[0] is not None
+            self._last = (cur[0], cur[1], path)
             ops.append(Stored(path))
 
-    def _siblings(self, parent: int | None) -> Children | None:
-        """The sorted child list of ``parent`` (the root's if None), or None if it has <2."""
-        if parent is None:
-            return self._roots
-        block = self._blocks.get(parent)
-        if block is None or not isinstance(block.children, list):
-            return None
-        return block.children
-
-    def _link(self, parent: int | None, h: int, tokens: Tokens) -> None:
-        if parent is None:
-            insort(self._roots, (tokens, h))
-            return
-        block = self._blocks[parent]
-        c = block.children
-        if c is None:
-            block.children = h
-        elif isinstance(c, list):
-            insort(c, (tokens, h))
+    def _add(self, at: Pos, size: int, tokens: Tokens, keys: np.ndarray) -> tuple[_Seg, int]:
+        """New pages below ``at``; returns the last one's position."""
+        aseg, ai = at
+        cnt = len(keys)
+        if (
+            aseg is not None
+            and ai == aseg.n - 1
+            and aseg.size == size
+            and not (aseg.children and aseg.children.get(ai))
+        ):
+            seg, off = aseg, aseg.n  # continue the run
         else:
-            block.children = sorted([(self._blocks[c].tokens, c), (tokens, h)])
-
-    def _unlink(self, parent: int | None, h: int, tokens: Tokens) -> None:
-        if parent is not None:
-            block = self._blocks.get(parent)
-            if block is None:
-                return
-            if not isinstance(block.children, list):
-                if block.children == h:
-                    block.children = None
-                return
-        siblings = self._siblings(parent)
-        assert siblings is not None
-        i = bisect_left(siblings, (tokens, h))
-        if i < len(siblings) and siblings[i][1] == h:
-            del siblings[i]
+            seg = _Seg(self._next_id, aseg, ai, size)
+            self._next_id += 1
+            self._segs[seg.id] = seg
+            if aseg is None:
+                self._roots.append(seg)
+            else:
+                if aseg.children is None:
+                    aseg.children = {}
+                aseg.children.setdefault(ai, []).append(seg)
+            off = 0
+        seg.tokens.extend(tokens)
+        seg.hashes.frombytes(keys.tobytes())
+        seg.n += cnt
+        self._num_pages += cnt
+        self._index.insert_new(keys, (seg.id << 32) | np.arange(off, off + cnt, dtype=np.int64))
+        return seg, seg.n - 1
 
     # ---- removals ------------------------------------------------------------------------
 
     def _removed(self, ev: BlockRemoved, ops: list[TreeOp]) -> None:
-        blocks = self._blocks
-        known = [h for h in dict.fromkeys(ev.block_hashes) if h in blocks]
+        uniq = list(dict.fromkeys(ev.block_hashes))
+        vals = self._index.get(as_keys(uniq)) if uniq else np.zeros(0, dtype=np.int64)
+        known = [self._pos(int(v)) for v in vals if v >= 0]
         self.num_unknown_removed += len(ev.block_hashes) - len(known)
         if not known:
             return
-        gone = set(known)
-        # A page whose parent goes in the same event is covered by its parent's removal.
-        roots = [h for h in known if blocks[h].parent not in gone]
-        for h in roots:
-            path = self.path(h)
-            start = len(path) - len(blocks[h].tokens) + self._still_held(h, gone)
+        gone = {(s.id, i) for s, i in known}
+        roots = []
+        for s, i in known:
+            ps, pi = self._parent_pos(s, i)
+            if ps is None or (ps.id, pi) not in gone:
+                roots.append((s, i))
+        for s, i in roots:
+            path = self._path(s, i)
+            start = len(path) - s.size + self._still_held(s, i, gone)
             if start < len(path):
                 ops.append(Removed(path, start))
                 continue
             # Every token of the page stays through a sibling page: EAGLE's bigram pages
             # (x, y1) and (x, y2) both hold x. What goes is below it, from each child page on
             # (its first token, y1, differs from the sibling's y2).
-            for child in _child_hashes(blocks[h]):
-                ops.append(Removed(self.path(child), len(path)))
+            for c in self._children(s, i):
+                ops.append(Removed(self._path(*c), len(path)))
         self._last = None
-        for h in roots:
-            self._forget(h)
+        for s, i in roots:
+            self._forget(s, i)
 
-    def _still_held(self, h: int, gone: set[int]) -> int:
-        """Leading tokens of page ``h`` still held through a sibling page that stays."""
-        block = self._blocks[h]
-        siblings = self._siblings(block.parent)
-        if not siblings:
-            return 0
-        tokens = block.tokens
-        i = bisect_left(siblings, (tokens, h))
+    def _still_held(self, seg: _Seg, i: int, gone: set[tuple[int, int]]) -> int:
+        """Leading tokens of page ``(seg, i)`` still held through a sibling page that stays."""
+        tokens = seg.page(i)
         held = 0
-        j = i - 1  # the nearest surviving sibling on each side shares the most tokens
-        while j >= 0 and siblings[j][1] in gone:
-            j -= 1
-        if j >= 0:
-            held = common_len(tokens, siblings[j][0], 0)
-        j = i + 1 if i < len(siblings) and siblings[i][1] == h else i
-        while j < len(siblings) and siblings[j][1] in gone:
-            j += 1
-        if j < len(siblings):
-            held = max(held, common_len(tokens, siblings[j][0], 0))
+        for s, j in self._children(*self._parent_pos(seg, i)):
+            if (s is seg and j == i) or (s.id, j) in gone or s.tokens[j * s.size] != tokens[0]:
+                continue
+            held = max(held, common_len(tokens, s.page(j), 0))
         return held
 
-    def _forget(self, root: int) -> None:
-        """Drop ``root`` and every page below it."""
-        blocks = self._blocks
-        block = blocks.get(root)
-        if block is None:
+    def _forget(self, seg: _Seg, i: int) -> None:
+        """Drop page ``(seg, i)`` and every page below it."""
+        if not seg.alive or i >= seg.n:
             return  # under another root forgotten already
-        self._unlink(block.parent, root, block.tokens)
-        stack = [root]
+        dead: list[np.ndarray] = []
+        stack: list[_Seg] = []
+        if seg.children:
+            for off in [o for o in seg.children if o >= i]:
+                stack.extend(seg.children.pop(off))
         while stack:
-            block = blocks.pop(stack.pop(), None)
-            if block is None:
-                continue
-            c = block.children
-            if isinstance(c, list):
-                stack.extend(h for _, h in c)
-            elif c is not None:
-                stack.append(c)
-
-
-def _child_hashes(block: _Block) -> list[int]:
-    c = block.children
-    if c is None:
-        return []
-    return [h for _, h in c] if isinstance(c, list) else [c]
+            s = stack.pop()
+            s.alive = False
+            del self._segs[s.id]
+            self._num_pages -= s.n
+            dead.append(np.frombuffer(s.hashes, dtype=np.int64).copy())
+            if s.children:
+                for lst in s.children.values():
+                    stack.extend(lst)
+        dead.append(np.frombuffer(seg.hashes, dtype=np.int64)[i:].copy())
+        self._num_pages -= seg.n - i
+        del seg.hashes[i:]
+        del seg.tokens[i * seg.size :]
+        seg.n = i
+        if i == 0:
+            seg.alive = False
+            del self._segs[seg.id]
+            p = seg.parent
+            if p is None:
+                self._roots.remove(seg)
+            elif p.children:
+                lst = p.children.get(seg.poff, [])
+                if seg in lst:
+                    lst.remove(seg)
+                if not lst:
+                    p.children.pop(seg.poff, None)
+        self._index.delete(np.concatenate(dead))
 
 
 __all__ = [
