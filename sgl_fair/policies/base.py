@@ -225,6 +225,7 @@ class PolicyTraits:
     batch_selecting: bool
     weighted: bool
     shares_oit_options: bool
+    orders_by_time: bool
 
     @classmethod
     def of(cls, policy_cls: type) -> PolicyTraits:
@@ -236,6 +237,7 @@ class PolicyTraits:
             batch_selecting=issubclass(policy_cls, BatchSelecting),
             weighted=issubclass(policy_cls, Weighted),
             shares_oit_options=base and policy_cls.shares_oit_options,  # type: ignore[attr-defined]
+            orders_by_time=base and policy_cls.orders_by_time,  # type: ignore[attr-defined]
         )
 
 
@@ -263,6 +265,10 @@ class BasePolicy:
     # Its options include the OIT's (``limits``, windows): the router's cluster OIT takes
     # them as its defaults (``--cluster-oit on`` with FairServe; ``apps/launch/config.py``).
     shares_oit_options: ClassVar[bool] = False
+    # Its order reads the clock (``view.now``: deadlines, timeouts), so a host must give each
+    # pass the current time even when no request arrived (the SGLang plugin's rank clock then
+    # ticks every scheduler iteration; for the others only when requests are pulled).
+    orders_by_time: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else self.Config()

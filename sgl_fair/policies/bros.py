@@ -79,6 +79,8 @@ def _unserved(client: str) -> float:
 
 @register("bros")
 class BROS(BasePolicy):
+    orders_by_time = True  # deadlines: TTFT/TPOT slack at view.now
+
     @dataclass(frozen=True)
     class Config:
         # B0; None: the scheduler's max_running_requests (B never limits below it). See the

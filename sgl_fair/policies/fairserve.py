@@ -84,6 +84,7 @@ INTERACTION_MODES = ("started", "running", "off")
 class FairServe(BasePolicy):
     shares_running = True
     shares_oit_options = True
+    orders_by_time = True  # interaction timeouts and OIT windows at view.now
 
     @dataclass(frozen=True)
     class Config:

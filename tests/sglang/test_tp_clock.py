@@ -73,10 +73,12 @@ def test_two_ranks_with_clocks_a_few_ms_apart_admit_identically():
     assert rank0() == rank1() == 100.997
 
 
-def test_the_plugin_ticks_through_sglangs_own_receiver():
+def test_the_plugin_ticks_through_sglangs_own_receiver(monkeypatch):
     """SGLang's real ``_pull_raw_reqs`` (hooked) adds the tick on the pulling rank; its real
     ``_broadcast_reqs_across_ranks`` (hooked) hands every rank the list without it, and the
-    plugin's clock reads it."""
+    plugin's clock reads it. Nothing pulled, it ticks only for a policy whose order reads the
+    clock (``orders_by_time``): else the broadcast stays an empty list, one collective, not two
+    on every scheduler iteration."""
     from sglang.srt.managers.scheduler_components.request_receiver import (
         SchedulerRequestReceiver as Receiver,
     )
@@ -95,6 +97,11 @@ def test_the_plugin_ticks_through_sglangs_own_receiver():
         from sglang.srt.runtime_context import get_parallel
 
         with get_parallel().override(pp_rank=0, attn_tp_rank=0, attn_cp_rank=0):
+            monkeypatch.setattr(plugin, "_ticks_every_pass", False)  # dlpm, vtc, fcfs, ...
+            assert Receiver._pull_raw_reqs(fake) == []  # nothing pulled: nothing added
+            pulled_req = object()
+            assert [type(x) for x in plugin._after_pull([pulled_req], fake)] == [object, Tick]
+            monkeypatch.setattr(plugin, "_ticks_every_pass", True)  # bros, fairserve
             pulled = Receiver._pull_raw_reqs(fake)  # rank 0 of one TP rank: no broadcast
             assert [type(x) for x in pulled] == [Tick]
             req = object()

@@ -50,6 +50,7 @@ TARGETS = {
 INFO_KEY = "sgl_fair"
 
 _settings: PluginSettings | None = None
+_ticks_every_pass = False  # the policy's order reads the clock (PolicyTraits.orders_by_time)
 
 
 def register() -> None:
@@ -68,6 +69,8 @@ def register() -> None:
     if _settings is not None:
         return  # registered already in this process
     _settings = settings
+    global _ticks_every_pass
+    _ticks_every_pass = settings.orders_by_time()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGETS["init_policy"], _after_init_policy, HookType.AFTER)
@@ -126,7 +129,11 @@ def tp_ranks() -> int:
 
 
 def _after_pull(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
-    if isinstance(result, list):  # this rank pulled from the tokenizer: it ticks
+    # This rank pulled from the tokenizer: it ticks when it pulled requests (their arrival
+    # time), or every iteration for a policy whose order reads the clock. An empty list stays
+    # empty otherwise: on TP > 1 SGLang's broadcast of an empty list is one collective, of a
+    # tick two, on every scheduler iteration, decode steps included.
+    if isinstance(result, list) and (result or _ticks_every_pass):
         RANK_CLOCK.stamp(result)
     return result
 

@@ -37,6 +37,12 @@ class PluginSettings:
 
         return make_policy(self.policy, **self.opts)
 
+    def orders_by_time(self) -> bool:
+        """Whether the policy's order reads the clock (``PolicyTraits.orders_by_time``)."""
+        from sgl_fair.policies import PolicyTraits, policy_class
+
+        return PolicyTraits.of(policy_class(self.policy)).orders_by_time
+
 
 # RT / BE as SGLang's integer ``priority`` (its default direction: higher runs first). The gap
 # exceeds SGLang's --priority-scheduling-preemption-threshold default (10), so with
