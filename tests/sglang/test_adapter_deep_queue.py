@@ -121,17 +121,20 @@ def test_the_bench_does_arrivals_outside_the_pass_as_a_server_does(monkeypatch, 
     assert order == exact
 
 
-def test_a_new_req_under_a_held_rid_replaces_the_old_one_by_identity():
+def test_a_new_req_under_a_held_rid_is_held_beside_the_old_one_by_identity():
+    """SGLang holds two live requests under one rid: each is its own (it dropped the old one,
+    whose next pass then sorted a None mirror and stopped SGLang's scheduler)."""
     rig, fair = fair_scheduler("fcfs")
     ledger = fair.ledger
     old, new = make_req([1, 2], "c", rid="x"), make_req([1, 3], "c", rid="x")
     ledger.arrived(old)
     ledger.arrived(new)
-    assert ledger.mirror(old) is None and ledger.mirror(new) is not None and len(ledger) == 1
-    assert ledger.mirrors_of([old, new]) == [None, ledger.mirrors["x"]]
-    ledger.reconcile_waiting([new])
-    assert ledger.mirror(new) is not None
-    ledger.finished(old)  # not held: nothing happens
+    m_old, m_new = ledger.mirrors_of([old, new])
+    assert m_old is not None and m_new is not None and m_old is not m_new and len(ledger) == 2
+    assert ledger.req_of(m_old) is old and ledger.req_of(m_new) is new
+    ledger.reconcile_waiting([new])  # the old one left the queue unadmitted: aborted
+    assert ledger.mirror(old) is None and ledger.mirror(new) is m_new
+    ledger.finished(old)  # not held any more: nothing happens
     assert len(ledger) == 1
     ledger.aborted(new)
     assert len(ledger) == 0 and ledger.mirrors_of([old, new]) == [None, None]

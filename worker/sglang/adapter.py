@@ -110,7 +110,10 @@ def class_of(req: Req, low_priority_first: bool = False) -> ServiceClass:
 
 class Ledger:
     """SGLang's requests as our policy sees them: one mirror per live request, and every
-    event that charges or releases it. Events are idempotent: a request finishes once."""
+    event that charges or releases it. Events are idempotent: a request finishes once.
+
+    Keyed by identity, never by rid: SGLang holds two live requests under one rid (across
+    tokenizer workers, in its rid-reuse windows), and each is its own request here."""
 
     def __init__(
         self,
@@ -121,15 +124,25 @@ class Ledger:
         self.policy = policy
         self.clock = clock
         self.low_priority_first = low_priority_first  # SGLang's priority direction
-        self.mirrors: dict[str, Request] = {}  # rid -> mirror, while SGLang holds the request
-        self.reqs: dict[str, Req] = {}  # rid -> SGLang's Req
-        # id(Req) -> mirror, for the same entries: a pass looks its queue up by identity, and
-        # never reads an attribute of a request it does not order (cold objects, deep queues).
+        # id(Req) -> mirror, while SGLang holds the request: a pass looks its queue up by
+        # identity, and never reads an attribute of a request it does not order (cold
+        # objects, deep queues). id(mirror) -> SGLang's Req, for the same entries.
         self._by_id: dict[int, Request] = {}
+        self._req_of: dict[int, Req] = {}
         self.num_rejected = 0
 
     def __len__(self) -> int:
-        return len(self.mirrors)
+        return len(self._by_id)
+
+    @property
+    def mirrors(self) -> dict[str, Request]:
+        """rid -> mirror of the requests held (one of them where two share a rid): for
+        reading, not on a pass's path."""
+        return {m.rid: m for m in self._by_id.values()}
+
+    def req_of(self, m: Request) -> Req:
+        """SGLang's request behind a mirror this ledger holds."""
+        return self._req_of[id(m)]
 
     def mirror(self, req: Req) -> Request | None:
         return self._by_id.get(id(req))  # this very Req's mirror (its id is ours while held)
@@ -155,12 +168,8 @@ class Ledger:
             m.reject_reason = rejection.reason
             self.num_rejected += 1
             return rejection
-        old = self.reqs.get(req.rid)  # another Req under this rid: it is forgotten
-        if old is not None:
-            del self._by_id[id(old)]
-        self.mirrors[req.rid] = m
-        self.reqs[req.rid] = req
         self._by_id[id(req)] = m
+        self._req_of[id(m)] = req
         return None
 
     def admitted(self, req: Req, extend_len: int) -> None:
@@ -235,19 +244,18 @@ class Ledger:
         by_id = self._by_id
         waiting = Phase.WAITING
         gone = [m for i, m in by_id.items() if i not in queued and m.phase is waiting]
-        reqs = self.reqs
+        req_of = self._req_of
         for m in gone:
-            self.aborted(reqs[m.rid], reason="left the waiting queue")
+            self.aborted(req_of[id(m)], reason="left the waiting queue")
         for r in waiting_queue:
             if id(r) not in by_id:
                 self.arrived(r)  # a refusal here is ignored: SGLang already queued it
 
     def _pop(self, req: Req) -> Request | None:
         m = self._by_id.pop(id(req), None)
-        if m is None:
-            return None
-        del self.reqs[req.rid]
-        return self.mirrors.pop(req.rid)
+        if m is not None:
+            del self._req_of[id(m)]
+        return m
 
 
 class _View:
@@ -255,13 +263,13 @@ class _View:
 
     def __init__(self, adapter: FairSchedulePolicy, running: Sequence[Request]) -> None:
         self._adapter = adapter
-        self._reqs = adapter.ledger.reqs
+        self._req_of = adapter.ledger.req_of
         self._shadow = adapter.shadow if adapter._shadow_on else None
         self.running = running
         self.now = adapter.ledger.clock()
 
     def prefix_len(self, m: Request) -> int:
-        req = self._reqs[m.rid]
+        req = self._req_of(m)
         shadow = self._shadow
         if shadow is not None and not shadow.dirty and shadow.handles(req):
             return shadow.prefix_len(req, m.input_ids)
@@ -274,8 +282,7 @@ class _View:
         shadow = self._shadow
         if shadow is None or shadow.dirty:
             return [self.prefix_len(m) for m in ms]
-        reqs = self._reqs
-        lens = shadow.prefix_lens([reqs[m.rid] for m in ms])
+        lens = shadow.prefix_lens(list(map(self._req_of, ms)))
         for i, n in enumerate(lens):
             if n is None or shadow.dirty:
                 lens[i] = self.prefix_len(ms[i])
@@ -350,7 +357,11 @@ class FairSchedulePolicy(SchedulePolicy):
         ledger.reconcile_waiting(waiting_queue)
         if not waiting_queue:
             return
-        mirrors = sorted(ledger.mirrors_of(waiting_queue), key=_arrival)
+        held = ledger.mirrors_of(waiting_queue)
+        mirrors = sorted((m for m in held if m is not None), key=_arrival)
+        # Requests the ledger does not hold (its policy refused them after SGLang queued
+        # them): never ordered, they wait behind the rest, in SGLang's order.
+        strangers = [r for r, m in zip(waiting_queue, held, strict=True) if m is None]
         running = [
             m
             for r in (running_batch.reqs if running_batch is not None else ())
@@ -363,8 +374,7 @@ class FairSchedulePolicy(SchedulePolicy):
         self._walk = self.fair.order(mirrors, _View(self, running))
         self.num_walks += 1
         # Until the walk picks them, the rest wait in arrival order.
-        reqs = ledger.reqs
-        waiting_queue[:] = [reqs[m.rid] for m in mirrors]
+        waiting_queue[:] = [*map(ledger.req_of, mirrors), *strangers]
         self._pos = 0
         self._expect = None
         self._place_next(0)
@@ -422,7 +432,7 @@ class FairSchedulePolicy(SchedulePolicy):
             self._expect = None
             self._close_walk()
             return
-        req = self.ledger.reqs[choice.rid]
+        req = self.ledger.req_of(choice)
         j = _index(queue, req, pos)
         if j < 0:  # not in the queue any more: cannot happen between hooks; stop ordering
             self._close_walk()
