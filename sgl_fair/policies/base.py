@@ -226,6 +226,7 @@ class PolicyTraits:
     weighted: bool
     shares_oit_options: bool
     orders_by_time: bool
+    asks_prefix_len: bool
 
     @classmethod
     def of(cls, policy_cls: type) -> PolicyTraits:
@@ -238,6 +239,7 @@ class PolicyTraits:
             weighted=issubclass(policy_cls, Weighted),
             shares_oit_options=base and policy_cls.shares_oit_options,  # type: ignore[attr-defined]
             orders_by_time=base and policy_cls.orders_by_time,  # type: ignore[attr-defined]
+            asks_prefix_len=base and policy_cls.asks_prefix_len,  # type: ignore[attr-defined]
         )
 
 
@@ -269,6 +271,10 @@ class BasePolicy:
     # pass the current time even when no request arrived (the SGLang plugin's rank clock then
     # ticks every scheduler iteration; for the others only when requests are pulled).
     orders_by_time: ClassVar[bool] = False
+    # Its order may ask ``view.prefix_len`` (cache-aware: LPM, DLPM, Preble; BROS with a DLPM
+    # inner order): a host keeps prefix matches for it (the SGLang plugin's shadow of
+    # SGLang's cache, which costs a drain of KV events every pass); for the others it keeps none.
+    asks_prefix_len: ClassVar[bool] = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else self.Config()

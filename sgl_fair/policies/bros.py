@@ -79,6 +79,7 @@ def _unserved(client: str) -> float:
 
 @register("bros")
 class BROS(BasePolicy):
+    asks_prefix_len = True  # its inner dlpm order does
     orders_by_time = True  # deadlines: TTFT/TPOT slack at view.now
 
     @dataclass(frozen=True)

@@ -45,6 +45,7 @@ _SWEEP_MIN = 1024  # sweep the idle clients once they outgrow this (then 2x, amo
 
 @register("dlpm")
 class DLPM(WeightsOption, BasePolicy):  # Weighted: its Config takes weights
+    asks_prefix_len = True
     shares_running = True
 
     @dataclass(frozen=True)

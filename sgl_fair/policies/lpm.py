@@ -27,6 +27,8 @@ def lpm_order(waiting: Sequence[Request], view: SchedulerView) -> list[Request]:
 
 @register("lpm")
 class LPM(BasePolicy):
+    asks_prefix_len = True
+
     @dataclass(frozen=True)
     class Config:
         pass

@@ -68,6 +68,8 @@ def _check_int(name: str, value: object) -> None:
 
 @register("preble-local")
 class PrebleLocal(BasePolicy):
+    asks_prefix_len = True
+
     @dataclass(frozen=True)
     class Config:
         groups: int = 10  # P, the number of hit-ratio priority groups

@@ -104,9 +104,10 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
         settings.make_policy(),
         scheduler.tree_cache,
         clock=RANK_CLOCK,  # the same time on every TP rank (clock.py)
-        # Only attention-TP rank 0 records KV events (the shadow's feed); with several ranks
-        # every rank matches prefixes on its own tree cache (identical across ranks).
-        shadow=ranks == 1,
+        # A shadow only for a policy that asks prefix lengths (else each pass would drain KV
+        # events for nothing); only attention-TP rank 0 records KV events (the shadow's
+        # feed), so with several ranks every rank matches on its own (identical) tree cache.
+        shadow=ranks == 1 and settings.asks_prefix_len(),
         enable_hierarchical_cache=bool(getattr(scheduler, "enable_hierarchical_cache", False)),
         low_priority_first=bool(getattr(scheduler, "schedule_low_priority_values_first", False)),
     )

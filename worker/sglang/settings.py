@@ -37,6 +37,12 @@ class PluginSettings:
 
         return make_policy(self.policy, **self.opts)
 
+    def asks_prefix_len(self) -> bool:
+        """Whether the policy's order may ask prefix lengths (``PolicyTraits.asks_prefix_len``)."""
+        from sgl_fair.policies import PolicyTraits, policy_class
+
+        return PolicyTraits.of(policy_class(self.policy)).asks_prefix_len
+
     def orders_by_time(self) -> bool:
         """Whether the policy's order reads the clock (``PolicyTraits.orders_by_time``)."""
         from sgl_fair.policies import PolicyTraits, policy_class
