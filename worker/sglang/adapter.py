@@ -52,6 +52,7 @@ from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.request import DEFAULT_CLIENT, SLO_PARAM, Phase, Request, ServiceClass, slo_pair
 from sgl_fair.worker.sglang import shadow as shadow_mod
 from sgl_fair.worker.sglang import shadow_events
+from sgl_fair.worker.sglang.hook_errors import HookErrors
 from sgl_fair.worker.sglang.settings import is_rt_priority
 
 log = logging.getLogger("sgl_fair.sglang")
@@ -129,6 +130,7 @@ class Ledger:
         # objects, deep queues). id(mirror) -> SGLang's Req, for the same entries.
         self._by_id: dict[int, Request] = {}
         self._req_of: dict[int, Req] = {}
+        self.dirty = False  # queued requests may have left (an abort): reconcile
         self.num_rejected = 0
 
     def __len__(self) -> int:
@@ -240,6 +242,7 @@ class Ledger:
     def reconcile_waiting(self, waiting_queue: Sequence[Req]) -> None:
         """Requests that left the queue without being admitted (aborted, timed out, pushed out
         by the queue limit) leave the policy too; queued requests it never saw arrive now."""
+        self.dirty = False
         queued = set(map(id, waiting_queue))
         by_id = self._by_id
         waiting = Phase.WAITING
@@ -311,6 +314,7 @@ class FairSchedulePolicy(SchedulePolicy):
         self._pos = 0
         self.num_walks = 0
         self.num_resyncs = 0
+        self.errors = HookErrors()  # our hooks' failures, per hook (hook_errors.py)
         # Prefix matches for the policy: memoised against a shadow of the cache (shadow.py)
         # where the cache is one it can follow, else SGLang's own match_prefix.
         self.shadow: shadow_mod.ShadowCache | None = None  # or its EventShadow subclass
@@ -351,7 +355,15 @@ class FairSchedulePolicy(SchedulePolicy):
         running_batch: Any = None,
         processed_tokens: int = 0,
     ) -> None:
-        """Put the policy's first choice at the head; later choices follow admissions."""
+        """Put the policy's first choice at the head; later choices follow admissions. On
+        an error, SGLang admits this pass in the queue's order (counted, ``hook_errors``)."""
+        try:
+            self._calc_priority(waiting_queue, running_batch)
+        except Exception:  # noqa: BLE001 - an exception here ends SGLang's scheduler loop
+            self.errors.failed("calc_priority")
+            self._close_walk()
+
+    def _calc_priority(self, waiting_queue: list[Req], running_batch: Any) -> None:
         self._close_walk()
         ledger = self.ledger
         ledger.reconcile_waiting(waiting_queue)
@@ -386,6 +398,16 @@ class FairSchedulePolicy(SchedulePolicy):
         return int(req.prefix_len)
 
     # ---- hooks --------------------------------------------------------------------------------
+
+    def close_walk(self) -> None:
+        """Stop ordering this pass: SGLang admits the rest in the queue's order."""
+        self._close_walk()
+
+    def report(self) -> dict[str, Any]:
+        """What the scheduler's internal state shows of the plugin (``plugin.py``)."""
+        return {"policy": self.fair.name, "hook_errors": dict(self.errors.counts),
+                "held": len(self.ledger), "rejected": self.ledger.num_rejected,
+                "shadow": self.shadow is not None}  # fmt: skip
 
     def after_add_one_req(self, adder: Any, req: Req, result: AddReqResult) -> None:
         """``PrefillAdder.add_one_req`` returned: charge an admission, place the next choice."""

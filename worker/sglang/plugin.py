@@ -10,12 +10,15 @@ with SGLang's ``HookRegistry`` (applied by SGLang right after plugins load)::
     Scheduler.abort_request            AFTER   queued requests that left the queue
     ScheduleBatch.retract_decode       AFTER   retractions (and requests aborted there)
     Scheduler.get_init_info            AFTER   the plugin's state, in SGLang's /server_info
+    Scheduler.get_internal_state       AFTER   its hooks' failures and ledger, at run time
     SchedulerRequestReceiver._pull_raw_reqs               AFTER  the pulling rank's clock tick
     SchedulerRequestReceiver._broadcast_reqs_across_ranks AFTER  every rank takes the tick
                                        (clock.py: one clock for all TP ranks)
 
-Bad settings stop the scheduler process with one line naming the variable: a server asked to
-be fair never silently runs SGLang's own policy instead.
+Bad settings stop the scheduler process with one line naming the variable, and so does a
+hook SGLang did not apply (``check_hooks``, at install): a server asked to be fair never
+silently runs SGLang's own policy instead. Each hook body runs guarded (``hook_errors.py``):
+an error in our code is logged and counted, never raised into SGLang's scheduler loop.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ TARGETS = {
     "init_info": f"{SCHEDULER}.get_init_info",
     "pull": f"{RECEIVER}._pull_raw_reqs",
     "broadcast": f"{RECEIVER}._broadcast_reqs_across_ranks",
+    "internal_state": f"{SCHEDULER}.get_internal_state",
 }
 
 # The key of the plugin's state in what the scheduler reports at start (``get_init_info``),
@@ -82,6 +86,7 @@ def register() -> None:
     HookRegistry.register(TARGETS["init_info"], _after_init_info, HookType.AFTER)
     HookRegistry.register(TARGETS["pull"], _after_pull, HookType.AFTER)
     HookRegistry.register(TARGETS["broadcast"], _after_broadcast, HookType.AFTER)
+    HookRegistry.register(TARGETS["internal_state"], _after_internal_state, HookType.AFTER)
     # No "on" line here: SGLang configures its logging after loading plugins (install_policy
     # writes it, once the scheduler's log is set up).
 
@@ -173,7 +178,47 @@ def _fair(scheduler: Any) -> Any:
 
 def _after_init_policy(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     assert _settings is not None
+    check_hooks()
     install_policy(scheduler, _settings)
+
+
+def check_hooks() -> None:
+    """Every target carries our hook (SGLang applied the registry), else stop naming it:
+    SGLang only logs a hook it fails to apply, and the plugin would serve on without it."""
+    import pkgutil
+
+    hooks = {
+        "add_request": _around_add_request, "add_one_req": _after_add_one_req,
+        "batch_result": _after_batch_result, "abort": _after_abort, "retract": _after_retract,
+        "pull": _after_pull, "broadcast": _after_broadcast,
+    }  # fmt: skip
+    for key, hook in hooks.items():
+        owner, attr = TARGETS[key].rsplit(".", 1)
+        try:
+            fn = getattr(pkgutil.resolve_name(owner), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise SystemExit(f"sgl-fair plugin: cannot find {TARGETS[key]}: {e}") from None
+        if not carries(fn, hook):
+            raise SystemExit(f"sgl-fair plugin: SGLang did not apply our hook on {TARGETS[key]}")
+
+
+def carries(fn: Any, hook: Any) -> bool:
+    """Whether ``fn`` is a HookRegistry wrapper chain with ``hook`` in it (each wrapper holds
+    its hook in its closure and the function it wraps as ``__wrapped__``)."""
+    seen = 0
+    while fn is not None and seen < 64:
+        cells = getattr(fn, "__closure__", None) or ()
+        if any(_cell(c) is hook for c in cells):
+            return True
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return False
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _after_init_info(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -190,14 +235,19 @@ def _around_add_request(original: Any, scheduler: Any, req: Any, *args: Any, **k
     retracted = kwargs.get("is_retracted", args[0] if args else False)
     if fair is None or retracted:
         return original(scheduler, req, *args, **kwargs)
-    rejection = fair.ledger.arrived(req)
+    # On an error the request is queued as SGLang would (the next pass's reconcile adopts it).
+    rejection = fair.errors.run("arrival", fair.ledger.arrived, req)
     if rejection is not None:
         reject(scheduler, req, rejection)
         return None
     out = original(scheduler, req, *args, **kwargs)
+    fair.errors.run("arrival", _settle_unqueued, fair, scheduler, req)
+    return out
+
+
+def _settle_unqueued(fair: Any, scheduler: Any, req: Any) -> None:
     if not _queued(scheduler.waiting_queue, req):
         fair.ledger.aborted(req, reason="not queued")  # SGLang refused it (queue limit …)
-    return out
 
 
 def _queued(queue: Any, req: Any) -> bool:
@@ -227,20 +277,25 @@ def _after_add_one_req(result: Any, adder: Any, req: Any, *args: Any, **kwargs: 
     from sgl_fair.worker.sglang.adapter import adapter_for
 
     fair = adapter_for(adder.tree_cache)
-    if fair is not None:
-        fair.after_add_one_req(adder, req, result)
+    if fair is not None and fair.errors.run("add_one_req", fair.after_add_one_req, adder, req,
+                                            result, fallback=False) is False:  # fmt: skip
+        fair.errors.run("add_one_req", fair.close_walk)  # SGLang's order for the rest
 
 
 def _after_batch_result(result: Any, scheduler: Any, batch: Any, *args: Any, **kw: Any) -> None:
     fair = _fair(scheduler)
     if fair is not None:
-        fair.after_batch(batch)
+        fair.errors.run("batch_result", fair.after_batch, batch)
+        if fair.ledger.dirty:  # aborts since the last pass: settle them once, not per abort
+            fair.errors.run("batch_result", fair.ledger.reconcile_waiting, scheduler.waiting_queue)
 
 
 def _after_abort(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Queued requests may have left: the ledger settles them at the next batch result or
+    pass (one reconcile for a storm of aborts, not one per abort: O(n) each)."""
     fair = _fair(scheduler)
     if fair is not None:
-        fair.ledger.reconcile_waiting(scheduler.waiting_queue)
+        fair.ledger.dirty = True
 
 
 def _after_retract(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -248,5 +303,19 @@ def _after_retract(result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
 
     fair = adapter_for(batch.tree_cache)
     if fair is not None and result is not None:
-        retracted, _ratio, aborted = result
-        fair.after_retract(retracted, aborted)
+        fair.errors.run("retract", _retracted, fair, result)
+
+
+def _retracted(fair: Any, result: Any) -> None:
+    retracted, _ratio, aborted = result
+    fair.after_retract(retracted, aborted)
+
+
+def _after_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """SGLang's run-time report of a scheduler (``/server_info``'s ``internal_states``): the
+    plugin's policy, its hooks' failures and what its ledger holds."""
+    fair = _fair(scheduler)
+    state = getattr(result, "internal_state", None)
+    if fair is not None and isinstance(state, dict):
+        state[INFO_KEY] = fair.report()
+    return result
