@@ -60,6 +60,7 @@ def main() -> None:
         "live_cell": bench_live_cell.main([]),
         "flood": bench_flood.main([]),
         "liveness": bench_liveness.main([]),
+        "plugin_property": bench_liveness.main(["--test", "plugin", "--examples", "500"]),
         "sglang_adapter": bench_sglang_adapter.main(),
         "sglang_adapter_unified": bench_sglang_adapter.main(
             ["--waiting", "1000", "--cases", "plugin:dlpm,plugin-exact:dlpm", "--cache", "unified"]
