@@ -64,7 +64,7 @@ class _Seg:
         self.poff = poff
         self.size = size
         self.n = 0
-        self.tokens = array("q")
+        self.tokens = array("i")  # widened to "q" if a token id needs it
         self.hashes = array("q")
         self.children: dict[int, list[_Seg]] | None = None
         self.alive = True
@@ -273,7 +273,11 @@ class KVEventDecoder:
                     aseg.children = {}
                 aseg.children.setdefault(ai, []).append(seg)
             off = 0
-        seg.tokens.extend(tokens)
+        try:
+            seg.tokens.extend(tokens)
+        except OverflowError:
+            seg.tokens = array("q", seg.tokens)
+            seg.tokens.extend(tokens)
         seg.hashes.frombytes(keys.tobytes())
         seg.n += cnt
         self._num_pages += cnt
