@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_cluster_quality  # noqa: E402
 import bench_fairserve  # noqa: E402
 import bench_flood  # noqa: E402
+import bench_kv_decoder  # noqa: E402
 import bench_live  # noqa: E402
 import bench_live_cell  # noqa: E402
 import bench_liveness  # noqa: E402
@@ -55,6 +56,7 @@ def main() -> None:
         "policy_step": bench_policy_step.main(),
         "fairserve": bench_fairserve.main([]),
         "router": bench_router.main(),
+        "kv_decoder": bench_kv_decoder.main([]),
         "cluster_quality": bench_cluster_quality.main([]),
         "live": bench_live.main(),
         "live_cell": bench_live_cell.main([]),
