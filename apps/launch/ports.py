@@ -29,6 +29,27 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def hold_ports(host: str, ports: Sequence[int]) -> list[socket.socket] | int:
+    """Bind each of ``ports`` on ``host`` with SO_REUSEADDR, never listening: their owners
+    (processes started later, binding with SO_REUSEADDR too) can still listen on them, while
+    nothing else can take one meanwhile: no outgoing connection gets one as its ephemeral
+    port, no plain bind succeeds. Held for as long as the owners may restart. The first port
+    already in use, instead, if one is."""
+    held: list[socket.socket] = []
+    for port in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            s.close()
+            for h in held:
+                h.close()
+            return port
+        held.append(s)
+    return held
+
+
 def raise_fd_limit() -> None:
     """Soft file limit up to the hard one: every connection holds a socket, and a burst (or a
     load test of thousands of calls) holds thousands at once."""

@@ -190,10 +190,26 @@ def worker_configs(cfg: Any, endpoints: list[str]) -> list[Any]:
 
 def serve_replicas(cfg: Any) -> int:
     """Start the workers and the replicas; run until SIGINT/SIGTERM; stop them all."""
-    from sgl_fair.launch.backends import backend_of
+    from sgl_fair.launch.ports import hold_ports
 
     r = cfg.router_replicas
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    held = hold_ports(cfg.host, [cfg.port + i for i in range(r)])
+    if isinstance(held, int):  # before any worker starts: nothing to stop
+        print(f"launch: error: --port {cfg.port} needs {r} free ports ({cfg.port}.."
+              f"{cfg.port + r - 1}, one per replica); {held} is in use on {cfg.host}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        return _serve(cfg, r)
+    finally:
+        for s in held:
+            s.close()
+
+
+def _serve(cfg: Any, r: int) -> int:
+    from sgl_fair.launch.backends import backend_of
+
     workers = backend_of(cfg.backend).replica_workers(cfg, {cfg.port + i for i in range(r)})
     workers.start()
     shared = cfg.replica_state != "independent" and workers.shares_service

@@ -79,3 +79,47 @@ def test_a_router_over_torch_workers_starts_from_their_defaults():
     cfg = parse_config(["--worker-endpoint", "tcp://127.0.0.1:5000"])
     kv, context = backend_of("remote").launch_limits(dataclasses.replace(cfg, model="tiny"))
     assert kv > 0 and context == 8192
+
+
+def test_held_ports_keep_others_out_and_let_their_owner_listen():
+    """The launcher holds its replicas' ports while their SGLang servers and bridges start:
+    an outgoing connection's ephemeral port (a bridge polling a server's /health) once took a
+    replica's port first (CI: "--port P is already in use" for replica 1)."""
+    import socket
+
+    from sgl_fair.launch.ports import hold_ports
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    held = hold_ports("127.0.0.1", [port])
+    assert isinstance(held, list)
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # a plain bind (SGLang's own port picks)
+        with socket.socket() as owner:  # the replica: uvicorn binds with SO_REUSEADDR
+            owner.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            owner.bind(("127.0.0.1", port))
+            owner.listen()
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                assert c.getsockname()[1] != port
+    finally:
+        for h in held:
+            h.close()
+    with socket.socket() as s2:
+        s2.bind(("127.0.0.1", port))  # released
+
+
+def test_a_taken_replica_port_is_refused_before_any_worker_starts(capsys):
+    import socket
+
+    from sgl_fair.launch.replicas import serve_replicas
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1
+        cfg = parse_config(["--dp", "1", "--router-replicas", "2", "--port", str(port)])
+        assert serve_replicas(cfg) == 2
+    err = capsys.readouterr().err
+    assert "is in use" in err and "one per replica" in err

@@ -16,6 +16,23 @@ import httpx
 from remote_helpers import stop
 
 
+def free_port_run(n: int) -> int:
+    """A port P with P .. P+n-1 free on 127.0.0.1 now."""
+    while True:
+        port = free_port()
+        if port + n < 65535 and all(_free(port + k) for k in range(1, n)):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,7 +57,8 @@ class Live:
 def launched(*args: str, tmp_path, timeout_s: float = 90.0) -> Iterator[Live]:
     """Run the launcher with ``args``; yield once /health answers; stop it with SIGINT and
     check it exits cleanly (status 0, its socket directory removed, no worker left)."""
-    port = free_port()
+    n = int(args[args.index("--router-replicas") + 1]) if "--router-replicas" in args else 1
+    port = free_port_run(n)  # P .. P+n-1: one HTTP port per replica
     log_path = str(tmp_path / f"launch-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     sglang = "--worker-url" in args or "sglang" in args  # SGLang servers: no simulated EOS
