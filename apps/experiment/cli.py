@@ -2,6 +2,7 @@
 
     python -m sgl_fair.experiment list
     python -m sgl_fair.experiment run NAME [--quick] [--out DIR] [--json] [--seed N]
+        [--results PATH [--date YYYY-MM-DD]]
         [--dp N] [--router P] [--local P] [--workload W] [--scenario s1|s2|none]
         [--gpu G] [--model M] [--jobs N]          (flags: cluster experiments only;
                                                    fairserve-apps takes --dp and
@@ -16,6 +17,7 @@ line naming the problem and exits with status 2; never a traceback.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import sys
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from sgl_fair.experiment import stored
 from sgl_fair.experiment.show import print_claims, print_table
 
 EXIT_USAGE = 2
@@ -50,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, default=None, help="output folder (default runs/NAME)")
     run.add_argument("--json", action="store_true", help="print results JSON on stdout")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="also store rows and claims with date, commit and machine: a .json file, or a "
+        "folder (e.g. bench/results) for NAME[-quick]-DATE.json",
+    )
+    run.add_argument("--date", default=None, help="the stored file's date (default: today, UTC)")
     cluster = run.add_argument_group("cluster experiments (router + N workers)")
     cluster.add_argument("--dp", type=int, default=None, help="number of workers (GPUs)")
     cluster.add_argument("--router", default=None, help="router policy, e.g. d2lpm")
@@ -104,12 +115,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     if foreign:
         raise UsageError(f"{', '.join(foreign)}: only for cluster experiments, not {args.name}")
     _check_flags(args)
+    if args.date is not None and args.results is None:
+        raise UsageError("--date: only with --results")
+    if args.date is not None:
+        _user_value(dt.date.fromisoformat, args.date)
     if entry.check is not None:
         _user_value(entry.check, given)
     options = RunOptions(quick=args.quick, seed=args.seed, json=args.json, flags=given)
     result = _user_value(lambda: entry.run(options))
     out = args.out or Path("runs") / entry.name
     paths = entry.write(result, out)
+    if args.results is not None:
+        command = [PROG, *getattr(args, "argv", sys.argv[1:])]
+        paths["stored"] = stored.write(
+            args.results,
+            "experiment",
+            entry.name,
+            result.to_json(),
+            quick=args.quick,
+            date=args.date,
+            command=command,
+        )
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     elif entry.show is not None:
@@ -118,6 +144,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_table(f"{entry.name} ({entry.figure}) — {entry.description}", result.rows)
         print_claims(result.claims)
         print(f"results: {paths['results']}")
+    if "stored" in paths and not args.json:
+        print(f"stored: {paths['stored']}")
     return 0
 
 
@@ -240,6 +268,7 @@ def _coerce(raw: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         if args.command == "list":
             return cmd_list()
         if args.command == "run":
