@@ -7,7 +7,7 @@ SGL_STAMP := $(VENV)/.sglang-cpu
 SGL_REQ := requirements/sglang-cpu.txt
 SGL_CONSTRAINTS := requirements/sglang-cpu-constraints.txt
 
-.PHONY: setup sglang-cpu test demo demo-bros demo-sglang bench lint clean
+.PHONY: setup sglang-cpu test demo demo-bros demo-sglang bench bench-report lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,11 @@ demo-sglang: $(STAMP) $(SGL_STAMP)
 
 bench: $(STAMP) $(SGL_STAMP)
 	$(BIN)/python bench/run_all.py
+
+# BENCHMARKS.md's current-figures table from the stored results (bench/results/*.json; the
+# headline figures are declared in bench/figures.py); `bench/report.py --check` only checks.
+bench-report: $(STAMP)
+	$(BIN)/python bench/report.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,143 @@
+"""The headline figures: which stored result each comes from, its target, and where the
+README quotes it. ``bench/report.py`` reads this and ``bench/results/*.json``.
+
+A figure is ``Figure(key, name, files, value, ...)``:
+
+* ``files``: a glob under ``bench/results/``; the newest match (by its date, then its name)
+  is the source;
+* ``value``: a path into the file's JSON — keys joined by ``.``, ``[k=v,k2=v2]`` picks the one
+  list element whose fields equal those values (numbers compare as numbers), ``[3]`` an
+  index — or a pair of paths ``(numerator, denominator)`` for a ratio of two;
+* ``target``: ``(op, bound)`` with op ``<=`` or ``>=``: the status is *pass* or *missed*;
+* ``claim``: text found in one of the file's ``claims``: the status is the claim's own,
+  *pass* or *FAIL* (a claim that fails is printed as failing, never dropped);
+* ``fmt`` and ``unit``: how the value is printed (the README quotes that string).
+
+``STORED`` gives the date, commit and machine of the older files written before the
+stored-results envelope (``sgl-fair/results/1``), as their BENCHMARKS.md sections state them.
+
+``README_QUOTES``: the README's sentences that quote figures, with ``{key}`` where a figure's
+value (with its unit) goes and ``{key/n}`` for its number alone; the docs test fails when the
+README does not contain them with the current values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+EPYC = "AMD EPYC, 2 cores (shared), Python 3.11.7"
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    name: str
+    files: str
+    value: Any  # a path, or (numerator path, denominator path)
+    fmt: str = "{:.2f}"
+    unit: str = ""
+    target: tuple[str, float] | None = None
+    claim: str | None = None
+
+
+_SBS = "side-by-side-*.json"
+_KV = "kv-decoder-*-after.json"
+_ADM = "sglang-live-admission-*-after-churn.json"
+_BICACHE = "bros-bicache-20*.json"
+_BICACHE_Q = "bros-bicache-quick-*.json"
+_BICACHE_R = "bros-bicache-rate-*.json"
+_TTFT = "TTFT attainment with Bi-cache >= 1.15x No Bi-cache (paged-recompute; paper, BE batch {b},"
+_TPOT = (
+    "TPOT (per-token) attainment with Bi-cache >= 1.15x No Bi-cache (paged-recompute; "
+    "paper, BE batch {b},"
+)
+_GAIN = "gains[setting=paper,be_batch={b},rate=10].vs_paged-recompute.rt_ttft_attain"
+
+
+_TPOT_GAIN = _GAIN.replace("rt_ttft", "rt_tpot_token")
+
+
+def _adm(case: str, ref: str, waiting: str) -> tuple[str, str]:
+    return (f"[case={case}].~{waiting}.p50_ms", f"[case={ref}].~{waiting}.p50_ms")
+
+
+FIGURES: list[Figure] = [
+    Figure("sbs-tokens", "Side by side: tokens served, ours ÷ SGLang's stack", _SBS,
+           "ratios.ours.tokens", unit="×", target=(">=", 0.95)),
+    Figure("sbs-relay-cpu", "Side by side: relay CPU per streamed token, ours ÷ gateway", _SBS,
+           "ratios.ours.relay_cpu_per_token", unit="×", target=("<=", 2.0)),
+    Figure("sbs-victim-p99", "Side by side: victim TTFT P99, ours ÷ SGLang's stack", _SBS,
+           "ratios.ours.victim_ttft_p99", fmt="{:.1f}", unit="×", target=("<=", 0.5)),
+    Figure("kv-gc", "KV decoder: full gc.collect() with 1M cached tokens", _KV,
+           "gc_collect_ms", fmt="{:.1f}", unit=" ms", target=("<=", 20.0)),
+    Figure("kv-bytes", "KV decoder: memory per cached token", _KV,
+           "bytes_per_token", fmt="{:.0f}", unit=" B", target=("<=", 32.0)),
+    Figure("kv-depth-leaf", "KV decoder: store cost at 32k ÷ 1k-token prefix (leaf)", _KV,
+           "store_leaf_ratio_32k_1k", fmt="{:.1f}", unit="×", target=("<=", 1.5)),
+    Figure("kv-depth-mid", "KV decoder: store cost at 32k ÷ 1k-token prefix (mid-chain)", _KV,
+           "store_mid_ratio_32k_1k", fmt="{:.1f}", unit="×", target=("<=", 1.5)),
+    Figure("adm-fcfs-128", "Plugin pass in live SGLang, churn, ~128 waiting: fcfs ÷ SGLang fcfs",
+           _ADM, _adm("plugin:fcfs", "sglang:fcfs", "128"), unit="×", target=("<=", 1.2)),
+    Figure("adm-vtc-128", "Plugin pass in live SGLang, churn, ~128 waiting: vtc ÷ SGLang fcfs",
+           _ADM, _adm("plugin:vtc", "sglang:fcfs", "128"), unit="×", target=("<=", 1.2)),
+    Figure("adm-dlpm-128", "Plugin pass in live SGLang, churn, ~128 waiting: dlpm ÷ SGLang lpm",
+           _ADM, _adm("plugin:dlpm", "sglang:lpm", "128"), unit="×", target=("<=", 1.5)),
+    Figure("adm-fcfs-1000",
+           "Plugin pass in live SGLang, churn, ~1,000 waiting: fcfs ÷ SGLang fcfs",
+           _ADM, _adm("plugin:fcfs", "sglang:fcfs", "1000"), unit="×", target=("<=", 1.2)),
+    Figure("adm-vtc-1000", "Plugin pass in live SGLang, churn, ~1,000 waiting: vtc ÷ SGLang fcfs",
+           _ADM, _adm("plugin:vtc", "sglang:fcfs", "1000"), unit="×", target=("<=", 1.2)),
+    Figure("adm-dlpm-1000",
+           "Plugin pass in live SGLang, churn, ~1,000 waiting: dlpm ÷ SGLang lpm",
+           _ADM, _adm("plugin:dlpm", "sglang:lpm", "1000"), unit="×", target=("<=", 1.5)),
+    Figure("bicache-rate-ttft-32",
+           "bros-bicache, paper's setting, 10 RT req/s, 60 s: TTFT attainment ÷ No Bi-cache, "
+           "BE batch 32", _BICACHE_R, _GAIN.format(b=32), unit="×", claim=_TTFT.format(b=32)),
+    Figure("bicache-rate-ttft-256", "… BE batch 256", _BICACHE_R, _GAIN.format(b=256),
+           unit="×", claim=_TTFT.format(b=256)),
+    Figure("bicache-rate-ttft-512", "… BE batch 512", _BICACHE_R, _GAIN.format(b=512),
+           unit="×", claim=_TTFT.format(b=512)),
+    Figure("bicache-rate-tpot-32", "… TPOT (per-token) attainment ÷ No Bi-cache, BE batch 32",
+           _BICACHE_R, _TPOT_GAIN.format(b=32), unit="×", claim=_TPOT.format(b=32)),
+    Figure("bicache-rate-tpot-512", "… TPOT (per-token) attainment ÷ No Bi-cache, BE batch 512",
+           _BICACHE_R, _TPOT_GAIN.format(b=512), unit="×", claim=_TPOT.format(b=512)),
+    Figure("bicache-ttft-32",
+           "bros-bicache, whole sweep (before the allocator fix aa3d085), 10 RT req/s: TTFT "
+           "attainment ÷ No Bi-cache, BE batch 32", _BICACHE, _GAIN.format(b=32), unit="×",
+           claim=_TTFT.format(b=32)),
+    Figure("bicache-ttft-256", "… BE batch 256", _BICACHE, _GAIN.format(b=256), unit="×",
+           claim=_TTFT.format(b=256)),
+    Figure("bicache-ttft-512", "… BE batch 512", _BICACHE, _GAIN.format(b=512), unit="×",
+           claim=_TTFT.format(b=512)),
+    Figure("bicache-quick-ttft-32",
+           "bros-bicache --quick (15 s), 10 RT req/s: TTFT attainment ÷ No Bi-cache, BE batch "
+           "32", _BICACHE_Q, _GAIN.format(b=32), unit="×", claim=_TTFT.format(b=32)),
+    Figure("bicache-quick-ttft-256", "… BE batch 256", _BICACHE_Q, _GAIN.format(b=256),
+           unit="×", claim=_TTFT.format(b=256)),
+    Figure("bicache-quick-ttft-512", "… BE batch 512", _BICACHE_Q, _GAIN.format(b=512),
+           unit="×", claim=_TTFT.format(b=512)),
+    Figure("sim-speed-min", "Simulator speed, vtc-overload full length, slowest policy",
+           "sim-speed-*.json", "min_speedup", fmt="{:.0f}", unit="× real time",
+           target=(">=", 100.0)),
+    Figure("sim-speed-max", "… fastest policy", "sim-speed-*.json", "max_speedup",
+           fmt="{:.0f}", unit="× real time"),
+]  # fmt: skip
+
+STORED: dict[str, dict[str, str]] = {
+    "side-by-side-2026-11-28-final.json": {"commit": "5ae5b6a", "machine": EPYC},
+    "kv-decoder-2026-11-28-after.json": {"commit": "c24b290", "machine": EPYC},
+    "kv-decoder-2026-11-28-before.json": {"commit": "4a8c20c", "machine": EPYC},
+    "sglang-live-admission-2026-11-28-after-churn.json": {
+        "commit": "2f08347 (dirty)",
+        "machine": EPYC,
+    },
+    "sglang-live-admission-2026-11-28-after.json": {"commit": "2f08347 (dirty)", "machine": EPYC},
+    "bros-bicache-2026-11-27.json": {"commit": "c353086 (stored)", "machine": EPYC},
+}
+
+README_QUOTES: list[str] = [
+    "TTFT attainment {bicache-rate-ttft-32} at BE batch 32, {bicache-rate-ttft-256} at 256 and"
+    " {bicache-rate-ttft-512} at 512, TPOT {bicache-rate-tpot-32}",
+    "in virtual time, {sim-speed-min/n}–{sim-speed-max/n}× faster than real time",
+]
