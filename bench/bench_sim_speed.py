@@ -3,12 +3,17 @@
 Target (issue #2): >= 100x faster than real time on one core, for every policy the
 experiment compares. Reports virtual seconds per wall second per policy (the scheduler,
 the policy, the cost model and the radix cache all run; metrics are not timed).
+
+    python bench/bench_sim_speed.py [--results bench/results] [--date YYYY-MM-DD]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
+from sgl_fair.experiment import stored
 from sgl_fair.experiment.single import fresh_copy
 from sgl_fair.experiment.vtc import get_experiment
 from sgl_fair.policies import make_policy
@@ -17,7 +22,11 @@ from sgl_fair.worker.sim.runner import make_sim_worker, simulate
 from sgl_fair.workloads.traces import generate
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description="simulator speed, vtc-overload full length")
+    ap.add_argument("--results", type=Path, default=None, help="also store (file or folder)")
+    ap.add_argument("--date", default=None, help="the stored file's date (default: today)")
+    args = ap.parse_args(argv)
     exp = get_experiment("vtc-overload")
     requests = generate(exp.clients(exp.duration_s), duration_s=exp.duration_s, seed=0)
     cost_model = CostModel.from_names(exp.gpu, exp.model)
@@ -43,10 +52,14 @@ def main() -> dict:
         "requests": len(requests),
         "policies": rows,
         "min_speedup": worst,
+        "max_speedup": max(r["speedup"] for r in rows.values()),
         "target_speedup": 100,
         "meets_target": worst >= 100,
     }
     print(json.dumps(result, indent=2))
+    if args.results is not None:
+        path = stored.write(args.results, "bench", "sim-speed", result, date=args.date)
+        print(f"stored: {path}")
     return result
 
 
