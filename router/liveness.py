@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from sgl_fair import kv_decoder
-from sgl_fair.messages import Abort, Hello
+from sgl_fair.messages import PROTOCOL_VERSION, Abort, Hello, Load
 
 log = logging.getLogger("sgl_fair.router")
 
@@ -52,6 +52,7 @@ class WorkerState:
     ready_s: float = 0.0  # when it last said Hello (a long life resets the backoff)
     num_revived: int = 0  # declared silent, then heard from again
     orphans: set[str] = field(default_factory=set)  # rids it holds that moved elsewhere
+    boot: int = 0  # its process's boot id, from its Hello (0: not said)
 
 
 class WorkerLiveness:
@@ -143,6 +144,18 @@ class WorkerLiveness:
         if w is None:
             log.error("Hello from unknown worker %d ignored", msg.worker)
             return
+        if msg.version != PROTOCOL_VERSION:
+            log.error("worker %d speaks protocol %d, this router %d: not taken", msg.worker,
+                      msg.version, PROTOCOL_VERSION)  # fmt: skip
+            return
+        if w.alive and w.ever_ready:  # a Hello on a live link: what it held of ours is gone
+            if msg.boot != w.boot or msg.pid != w.pid:
+                why = f"restarted (pid {w.pid} -> {msg.pid}, boot {w.boot:x} -> {msg.boot:x})"
+            else:
+                why = "it lost this router's state (it forgot this router; same process)"
+            self.worker_dead(msg.worker, why)
+            w.orphans.clear()  # it holds none of ours now
+        w.boot = msg.boot
         w.alive = True
         w.death = None
         w.ever_ready = True
@@ -156,8 +169,18 @@ class WorkerLiveness:
         self.router.add_worker(msg.worker)
         self.telemetry.worker_alive(msg.worker, True)
         log.info("worker %d ready (pid %d, %s)", msg.worker, msg.pid, msg.engine)
+        self.hello_event.set()
         if all(x.ever_ready for x in self.workers.values()):
             self.ready.set()
+
+    def _other_boot(self, w: WorkerState, msg: Load) -> bool:
+        """A Load from another process than the one that said Hello (it restarted, and has
+        not said Hello to this router yet): a death if it was alive; never a revival."""
+        if not msg.boot or not w.boot or msg.boot == w.boot:
+            return False
+        if w.alive:
+            self.worker_dead(w.wid, f"restarted (boot {w.boot:x} -> {msg.boot:x})")
+        return True
 
     def _drain_pull(self) -> None:
         """Handle every frame already queued for the router (synchronously)."""

@@ -6,7 +6,9 @@ on its own host: a DEALER socket (identity ``NAME-<random>``) takes the service'
 ``wid``; a SUB socket follows the worker's KV events. The link says ``Attach`` on start and
 every ``ATTACH_PERIOD_S`` (so a restarted worker learns of this replica and says Hello
 again) and ``Detach`` when it closes. Liveness is the service's: Load is the heartbeat; a
-send that finds no connection (``IMMEDIATE``) declares the worker dead at once.
+send that finds no connection (``IMMEDIATE``) declares the worker dead at once; a Hello on
+a live link (the worker restarted, or forgot this replica) or a Load from another boot is
+a death first (``router/liveness.py``): what the worker held of this replica's is gone.
 
 The wire form and the keys are in ``sgl_fair/remote.py``.
 """
@@ -23,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sgl_fair.messages import Dispatch, Hello
+from sgl_fair.messages import Dispatch
 from sgl_fair.remote import (
     ATTACH_PERIOD_S,
     ClientKeys,
@@ -168,8 +170,6 @@ class RemoteLink:
                 else:
                     if getattr(msg, "worker", wid) != wid:
                         msg = msgspec.structs.replace(msg, worker=wid)
-                    if type(msg) is Hello:
-                        self._restarted(msg)
                     try:
                         svc._on_message(msg)
                     except Exception:  # a bug must not kill the loop (its requests would hang)
@@ -178,14 +178,6 @@ class RemoteLink:
                     frame = zmq.Socket.recv(sock, zmq.NOBLOCK)
                 except zmq.Again:
                     break
-
-    def _restarted(self, hello: Hello) -> None:
-        """A Hello from another process than the one that is up: the worker restarted
-        faster than its silence showed. What the old one held is gone: the service treats
-        it as a death first (calls move on, the router forgets its state), then the Hello."""
-        w = self.service.workers.get(self.wid)
-        if w is not None and w.alive and w.pid is not None and hello.pid != w.pid:
-            self.service.worker_dead(self.wid, f"restarted (pid {w.pid} -> {hello.pid})")
 
     async def close(self, *, detach: bool = True) -> None:
         """Leave: the worker aborts this replica's requests; the service forgets ``wid``."""

@@ -17,7 +17,7 @@ policy state, its own requests in flight) that, with ``shared=True``, also reads
 own dispatches only. With one replica and ``shared=True`` the reports add nothing, so it
 decides exactly as a plain ``Router``.
 
-Each dispatch is tagged for the worker's ledger: ``last_tag`` = ``(replica, seq, charge)``
+Each dispatch is tagged for the worker's ledger: ``last_tag`` = ``(replica, charge)``
 after ``dispatch`` (the live transport carries it with the ``Dispatch``). The charge is the
 prompt's extend on the chosen worker by this replica's tree (``input_len − matched_len_on_u``,
 D2LPM's dispatch charge before weights).
@@ -48,7 +48,7 @@ class ReplicaRouter(Router):
         self.replica = replica
         self.shared = shared
         self.state = ReplicaState(replica)
-        self.last_tag: tuple[int, int, int] | None = None
+        self.last_tag: tuple[int, int] | None = None
         self._on_peer_service = (
             policy.on_peer_service if isinstance(policy, PeerServiceAware) else None
         )
@@ -64,8 +64,8 @@ class ReplicaRouter(Router):
         dispatch = super().dispatch(req, now)
         if match is not None:
             charge = req.input_len - match.per_worker.get(dispatch.worker, 0)
-            seq = self.state.dispatched(dispatch.worker, req.client, charge)
-            self.last_tag = (self.replica, seq, charge)
+            self.state.dispatched(dispatch.worker, req.client, charge)
+            self.last_tag = (self.replica, charge)
         return dispatch
 
     def handle(self, msg: Tokens | Finished | Evicted | Load, now: float) -> None:

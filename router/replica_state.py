@@ -1,18 +1,17 @@
 """One router replica's view of the cluster's fairness state, from the workers' reports (pure).
 
-With R router replicas over the same workers, each replica dispatches only some of the
-calls. The workers are the source of truth: each sums, per client, the service every replica
-dispatched to it and the output it served (``worker/service_ledger.py``), and sends the totals
-with its ``Load`` (``ServiceReport``). A replica's view of client c's service on worker u is
+With R router replicas over the same workers, each dispatches only some of the calls. Each
+worker keeps a service ledger with one row per (replica, client) — what that replica's
+dispatches of that client were charged and served there — and sends it with its ``Load``
+(``worker/service_ledger.py``). A row grows only by its own replica's dispatches (a
+G-counter), so replica r's view of client c's service on worker u is
 
-    view(u, c) = the last report's totals(u, c) + its own dispatches and Finished not yet in one
+    view(u, c) = r's own service of c on u (counted here, exact)
+               + every other replica's row (·, c) in u's latest report
 
-so every replica sees every replica's service, stale by at most one report period (plus the
-network). The arithmetic is exact: a report says which of this replica's dispatches it covers
-(the replica's last ``seq`` the worker received), and covers every ``Finished`` this replica
-has received from that worker (same channel, in order), so nothing is counted twice::
+stale by at most one report period (plus the network) in its second term, never ahead::
 
-    seq = state.dispatched(u, client, charge)     # own dispatch (charge: extend tokens)
+    state.dispatched(u, client, charge)           # own dispatch (charge: extend tokens)
     state.finished(u, client, num_output)         # own Finished received
     peers = state.report(u, t_s, report)          # [(client, extend, output)] the other
                                                   # replicas' service on u since the last report
@@ -20,13 +19,16 @@ has received from that worker (same channel, in order), so nothing is counted tw
     state.peer_requests(u)                        # the other replicas' requests on u
 
 ``report`` returns exactly what this replica had not seen: a router policy that keeps its own
-charges (D2LPM's deficits) adds these and then holds the view above. ``docs/replicas.md``:
-the model and what it does to D2LPM's bound.
+charges (D2LPM's deficits) adds these and then holds the view above. Nothing a worker reports
+can make this replica count anything twice: its own row is never read, and another's row is
+read as totals. The first snapshot (``ServiceReport.full``) of a worker boot is a baseline —
+its rows hold history the policy never charged (a replica that starts late, a worker that
+restarted or was forgotten and taken back), so it returns ``[]``. A report that fails a
+check changes nothing. ``docs/replicas.md``: the model and what it does to D2LPM's bound.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from sgl_fair.messages import ServiceReport
@@ -35,13 +37,11 @@ from sgl_fair.request import ClientId
 
 @dataclass
 class _WorkerView:
-    seq: int = 0  # own dispatches to this worker so far
+    own: dict[ClientId, list[int]] = field(default_factory=dict)  # [extend, output]
+    boot: int | None = None  # the boot of its baseline snapshot; None: none taken yet
     t_s: float = float("-inf")  # the last report's time (the worker's clock)
-    reported: dict[ClientId, tuple[int, int]] = field(default_factory=dict)
-    covered: int = 0  # own dispatches the last report covered (its seq for us)
-    pending: deque[tuple[int, ClientId, int]] = field(default_factory=deque)  # seq, c, charge
-    unreported_out: dict[ClientId, int] = field(default_factory=dict)  # own Finished since
-    own_finished: int = 0  # own Finished received, ever
+    rows: dict[tuple[int, ClientId], tuple[int, int, int]] = field(default_factory=dict)
+    peers: dict[ClientId, list[int]] = field(default_factory=dict)  # rows summed per client
     peer_requests: int = 0  # from the last report
 
 
@@ -51,9 +51,10 @@ class ReplicaState:
             raise ValueError(f"replica ids are >= 0 (got {replica})")
         self.replica = replica
         self._workers: dict[int, _WorkerView] = {}
-        self._rejoined: set[int] = set()  # workers whose next report is a baseline
         self.num_reports = 0
         self.num_stale_reports = 0
+        self.num_baselines = 0
+        self.num_refused_reports = 0
 
     def _view(self, worker: int) -> _WorkerView:
         view = self._workers.get(worker)
@@ -63,20 +64,15 @@ class ReplicaState:
 
     # ---- own actions ------------------------------------------------------------------------
 
-    def dispatched(self, worker: int, client: ClientId, charge: int) -> int:
-        """Record an own dispatch; returns its ``seq`` (the worker's ledger needs it)."""
+    def dispatched(self, worker: int, client: ClientId, charge: int) -> None:
+        """Record an own dispatch charged ``charge`` extend tokens."""
         if charge < 0:
             raise ValueError(f"charge must be >= 0 (got {charge})")
-        view = self._view(worker)
-        view.seq += 1
-        view.pending.append((view.seq, client, charge))
-        return view.seq
+        self._view(worker).own.setdefault(client, [0, 0])[0] += charge
 
     def finished(self, worker: int, client: ClientId, num_output: int) -> None:
         """An own request's ``Finished`` from ``worker`` arrived (ok or not)."""
-        view = self._view(worker)
-        view.own_finished += 1
-        view.unreported_out[client] = view.unreported_out.get(client, 0) + num_output
+        self._view(worker).own.setdefault(client, [0, 0])[1] += num_output
 
     # ---- reports ----------------------------------------------------------------------------
 
@@ -84,67 +80,91 @@ class ReplicaState:
         self, worker: int, t_s: float, report: ServiceReport
     ) -> list[tuple[ClientId, int, int]]:
         """Take ``worker``'s report; returns the other replicas' service on it since the last
-        one, per client: ``(client, extend tokens, output tokens)``, zeros left out. A report
-        older than the last one taken is ignored (``[]``). The first report after
-        ``worker_removed`` is a baseline: its totals hold the worker's whole history, which
-        the policy forgot with the worker, so it returns ``[]``. Raises ValueError for a report
-        that contradicts this replica's own record."""
+        one, per client: ``(client, extend tokens, output tokens)``, zeros left out. An older
+        report than the last one taken is ignored, and so is every report of a boot before
+        its first snapshot, which is a baseline (``[]``). A row that went back (the same
+        birth, smaller totals) raises ValueError, and nothing of the report is taken."""
         view = self._view(worker)
         if t_s < view.t_s:
             self.num_stale_reports += 1
             return []
-        seq = dict(report.seqs).get(self.replica, 0)
-        if not view.covered <= seq <= view.seq:
-            raise ValueError(f"worker {worker} reports seq {seq} for replica {self.replica}, "
-                             f"which sent {view.seq} (covered: {view.covered})")  # fmt: skip
-        covered: dict[ClientId, int] = {}
-        while view.pending and view.pending[0][0] <= seq:
-            _, client, charge = view.pending.popleft()
-            covered[client] = covered.get(client, 0) + charge
-        own_out = view.unreported_out
-        new = {c: (a, s) for c, a, s in report.clients}
-        peers: list[tuple[ClientId, int, int]] = []
-        for client in new.keys() | covered.keys() | own_out.keys():
-            a, s = new.get(client, (0, 0))
-            a0, s0 = view.reported.get(client, (0, 0))
-            extend = a - a0 - covered.get(client, 0)
-            output = s - s0 - own_out.get(client, 0)
-            if extend < 0 or output < 0:
-                raise ValueError(f"worker {worker}'s report undercounts client {client!r} "
-                                 f"(extend {extend}, output {output}): not this replica's "
-                                 "record")  # fmt: skip
-            if extend or output:
-                peers.append((client, extend, output))
-        own_here = seq - view.own_finished  # own requests on the worker at the report
-        if own_here < 0 or report.num_requests < own_here:
-            raise ValueError(f"worker {worker} reports {report.num_requests} requests, "
-                             f"{own_here} of them this replica's")  # fmt: skip
-        view.t_s = t_s
-        view.reported = new
-        view.covered = seq
-        view.unreported_out = {}
-        view.peer_requests = report.num_requests - own_here
-        self.num_reports += 1
-        if worker in self._rejoined:
-            self._rejoined.discard(worker)
+        me = self.replica
+        if view.boot != report.boot:  # a view to start: only from a snapshot of this boot
+            if not report.full:
+                return []
+            view.boot, view.t_s = report.boot, t_s
+            view.rows = {(r, c): (e, o, b) for r, c, e, o, b in report.rows if r != me}
+            view.peers = {}
+            for (_, c), (e, o, _) in view.rows.items():
+                totals = view.peers.setdefault(c, [0, 0])
+                totals[0] += e
+                totals[1] += o
+            self._requests(view, report)
+            self.num_reports += 1
+            self.num_baselines += 1
             return []
-        peers.sort()
+        new: dict[ClientId, list[int]] = {}
+        for r, c, e, o, b in report.rows:
+            if r == me:
+                continue
+            e0, o0, b0 = view.rows.get((r, c), (0, 0, b))
+            if b0 != b:  # a row forgotten and born again: all of it is new
+                e0 = o0 = 0
+            if e < e0 or o < o0:
+                self.num_refused_reports += 1
+                raise ValueError(f"worker {worker}'s row ({r}, {c!r}) went back "
+                                 f"({e0}, {o0}) -> ({e}, {o})")  # fmt: skip
+            if e > e0 or o > o0:
+                delta = new.setdefault(c, [0, 0])
+                delta[0] += e - e0
+                delta[1] += o - o0
+        listed = {(r, c) for r, c, *_ in report.rows}
+        for r, c, e, o, b in report.rows:
+            if r != me:
+                old = view.rows.get((r, c))
+                if old is not None and old[2] != b:  # the old row's totals leave the sum
+                    self._add(view, c, -old[0], -old[1])
+                view.rows[(r, c)] = (e, o, b)
+        if report.full:  # rows not listed were forgotten there: their totals leave the view
+            for key in [k for k in view.rows if k not in listed]:
+                e, o, _ = view.rows.pop(key)
+                self._add(view, key[1], -e, -o)
+        peers: list[tuple[ClientId, int, int]] = []
+        for c, (e, o) in sorted(new.items()):
+            self._add(view, c, e, o)
+            peers.append((c, e, o))
+        view.t_s = t_s
+        self._requests(view, report)
+        self.num_reports += 1
         return peers
+
+    def _requests(self, view: _WorkerView, report: ServiceReport) -> None:
+        own_here = dict(report.requests).get(self.replica, 0)
+        view.peer_requests = max(0, report.num_requests - own_here)
+
+    @staticmethod
+    def _add(view: _WorkerView, client: ClientId, extend: int, output: int) -> None:
+        totals = view.peers.setdefault(client, [0, 0])
+        totals[0] += extend
+        totals[1] += output
+        if totals == [0, 0]:
+            del view.peers[client]
 
     # ---- the view ---------------------------------------------------------------------------
 
     def service(self, worker: int, client: ClientId) -> tuple[int, int]:
-        """Client's (extend, output) tokens on ``worker`` as this replica knows them: the last
-        report's totals plus its own dispatches and Finished not yet in a report."""
+        """Client's (extend, output) tokens on ``worker`` as this replica knows them: its own
+        plus the other replicas' rows in the last report."""
         view = self._workers.get(worker)
         if view is None:
             return (0, 0)
-        a, s = view.reported.get(client, (0, 0))
-        a += sum(charge for _, c, charge in view.pending if c == client)
-        return (a, s + view.unreported_out.get(client, 0))
+        own = view.own.get(client, (0, 0))
+        peer = view.peers.get(client, (0, 0))
+        return (own[0] + peer[0], own[1] + peer[1])
 
     def peer_requests(self, worker: int) -> int:
-        """The other replicas' requests on ``worker`` (queued or running) at its last report."""
+        """The other replicas' requests on ``worker`` (queued or running) at its last report,
+        and any no replica tagged."""
         view = self._workers.get(worker)
         return view.peer_requests if view is not None else 0
 
@@ -152,7 +172,11 @@ class ReplicaState:
         view = self._workers.get(worker)
         return None if view is None or view.t_s == float("-inf") else view.t_s
 
+    def has_baseline(self, worker: int) -> bool:
+        view = self._workers.get(worker)
+        return view is not None and view.boot is not None
+
     def worker_removed(self, worker: int) -> None:
-        """Forget ``worker`` (dead, or this replica lost it); its next report is a baseline."""
-        if self._workers.pop(worker, None) is not None:
-            self._rejoined.add(worker)
+        """Forget ``worker`` (dead, restarted, or this replica lost it): the policy forgot
+        its service with it; the next snapshot of it is a baseline."""
+        self._workers.pop(worker, None)

@@ -125,7 +125,8 @@ class RouterService(WorkerLiveness):
         self.restart_backoff_s = restart_backoff_s
         self.calls: dict[str, Call] = {}
         self.workers = {i: WorkerState(i) for i in range(num_workers)}
-        self.ready = asyncio.Event()
+        self.ready = asyncio.Event()  # every worker said Hello
+        self.hello_event = asyncio.Event()  # some worker said Hello (wait_ready's wake-up)
         self.closing = False
         self.num_redispatched = 0
         self.num_failed_by_death = 0
@@ -170,20 +171,25 @@ class RouterService(WorkerLiveness):
         ]
         self._tasks.append(loop.create_task(self._watch_loop(), name="router-watch"))
 
-    async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until every worker said Hello; raise TimeoutError naming the missing ones, or
-        RuntimeError at once when a worker process exits before it is up."""
+    async def wait_ready(self, timeout_s: float, min_ready: int | None = None) -> None:
+        """Wait until ``min_ready`` workers (default: every one) said Hello; raise
+        TimeoutError naming the missing ones, or RuntimeError at once when so many worker
+        processes exited before they were up that ``min_ready`` cannot be reached. The
+        others join when they say Hello, as at run time."""
+        need = len(self.workers) if min_ready is None else min(min_ready, len(self.workers))
         deadline = self.clock() + timeout_s
         try:
-            while not self.ready.is_set():
-                failed = {w.wid: w.death for w in self.workers.values() if w.death}
-                if failed:
+            while sum(w.ever_ready for w in self.workers.values()) < need:
+                failed = {w.wid: w.death for w in self.workers.values()
+                          if w.death and not w.ever_ready}  # fmt: skip
+                if failed and len(self.workers) - len(failed) < need:
                     raise RuntimeError(f"workers failed to start: {failed}")
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     raise asyncio.TimeoutError
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.ready.wait(), min(remaining, 0.25))
+                    await asyncio.wait_for(self.hello_event.wait(), min(remaining, 0.25))
+                self.hello_event.clear()
         except asyncio.TimeoutError:
             missing = [w.wid for w in self.workers.values() if not w.ever_ready]
             dead = {w.wid: w.death for w in self.workers.values() if w.death}
@@ -325,6 +331,8 @@ class RouterService(WorkerLiveness):
             return
         if isinstance(msg, Finished) and msg.lost:
             self._lost(msg)
+            return
+        if type(msg) is Load and self._other_boot(w, msg):
             return
         if not w.alive:
             proc = w.process

@@ -26,7 +26,7 @@ import msgspec
 
 from sgl_fair.request import Request
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 Tokens_ = tuple[int, ...]
 
@@ -103,16 +103,22 @@ class Evicted(msgspec.Struct, frozen=True, gc=False):
 
 
 class ServiceReport(msgspec.Struct, frozen=True, gc=False):
-    """A worker's running totals of the service it was dispatched and served, per client, sent
-    with its ``Load`` so that router replicas share one fairness state (``docs/replicas.md``,
-    ``router/replica_state.py``). Totals since the worker started, never deltas (a lost report
-    loses nothing)."""
+    """A worker's service ledger, sent with its ``Load`` so that router replicas share one
+    fairness state (``docs/replicas.md``, ``worker/service_ledger.py``,
+    ``router/replica_state.py``): one row per (replica, client), each the running totals of
+    what that replica's dispatches here were charged and served — a G-counter row that only
+    its replica's dispatches grow, so a replica adds up the other replicas' rows and counts
+    its own itself. Totals, never deltas: a lost report loses nothing."""
 
-    # (client, extend tokens charged at dispatch, output tokens of the Finished sent so far)
-    clients: tuple[tuple[str, int, int], ...] = ()
-    # (replica, the last dispatch sequence number received from it)
-    seqs: tuple[tuple[int, int], ...] = ()
-    num_requests: int = 0  # requests here: received, their Finished not yet sent
+    boot: int  # the worker process's boot id (``Hello.boot``): a new one starts every row over
+    # (replica, client, extend tokens charged at dispatch, output tokens of the Finished
+    # sent so far, the row's birth: a worker-wide counter, new when a forgotten row returns)
+    rows: tuple[tuple[int, str, int, int, int], ...] = ()
+    # True: every row the worker keeps (a snapshot; rows not listed were forgotten, idle);
+    # False: only the rows changed since the previous report.
+    full: bool = True
+    requests: tuple[tuple[int, int], ...] = ()  # (replica, its requests here now), nonzero
+    num_requests: int = 0  # every request here (tagged or not): received, no Finished sent
     # Interaction ids (FairServe) with a call here now, or whose call's Finished went out
     # since the last report: every replica learns the interactions under way (the cluster
     # OIT never refuses their next call, whichever replica it reaches).
@@ -132,6 +138,7 @@ class Load(msgspec.Struct, frozen=True, gc=False):
     num_retractions: int = 0
     # Per-client service totals, for router replicas (None where the worker keeps none).
     service: ServiceReport | None = None
+    boot: int = 0  # its process's boot id, as in its Hello (0: not said)
 
 
 class Abort(msgspec.Struct, frozen=True, gc=False):
@@ -163,6 +170,9 @@ class Hello(msgspec.Struct, frozen=True, gc=False):
     engine: str  # e.g. "sim H100-80GB Llama-3.1-8B"
     version: int = PROTOCOL_VERSION
     context_len: int = 0  # the longest sequence its model serves; 0: not known
+    # Random per process: a new one is a new process (a restart with the same pid, pid 1 of
+    # its container every time, included); 0: not said.
+    boot: int = 0
 
 
 class KVSnapshot(msgspec.Struct, frozen=True, gc=False):

@@ -59,11 +59,10 @@ class Detach(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class DispatchTag(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The frame before a ``Dispatch`` from a replica that shares fairness state: the
-    replica, its count of dispatches to this worker, and the extend tokens it charged
-    (``router/replica.py``; the worker's ``ServiceLedger`` sums them for its reports)."""
+    replica and the extend tokens it charged (``router/replica.py``; the worker's
+    ``ServiceLedger`` adds them to the replica's row for the client)."""
 
     replica: int
-    seq: int
     charge: int
 
 

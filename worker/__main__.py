@@ -59,7 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-eos", default="192,0.9", metavar="MEDIAN[,SIGMA]|off")
     p.add_argument("--vocab-size", type=int, help="torch presets: the router tokenizer's size")
     p.add_argument("--eos-token-id", type=int)
-    p.add_argument("--peer-timeout-s", type=float, default=5.0)
+    p.add_argument(
+        "--peer-timeout-s",
+        type=float,
+        default=15.0,
+        help="forget a router replica silent this long, aborting its requests; keep it above "
+        "the routers' --heartbeat-timeout (10 s by default), so a replica never thinks alive "
+        "a worker that forgot it (default 15)",
+    )
     p.add_argument("--log-level", default="warning")
     return p  # fmt: skip
 
@@ -111,6 +118,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Any, A
         elif not is_loopback(host) and not a.insecure:
             raise ValueError(f"--bind {a.bind}: not a loopback address; give --keys DIR "
                              "(CURVE) or --insecure")  # fmt: skip
+        if not a.peer_timeout_s > 0:
+            raise ValueError(f"--peer-timeout-s must be > 0 (got {a.peer_timeout_s})")
         cfg = config(a)
     except ValueError as e:
         p.error(str(e))
@@ -128,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"sgl-fair worker {a.id} serving routers at {a.bind} ({a.backend}, "
           f"{'CURVE' if keys else 'no keys'})", flush=True)  # fmt: skip
-    remote_worker_main(cfg, a.bind, keys)
+    remote_worker_main(cfg, a.bind, keys, peer_timeout_s=a.peer_timeout_s)
     return 0
 
 

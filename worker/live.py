@@ -37,6 +37,7 @@ from sgl_fair.transport import Endpoints, WireError, decode, encode
 from sgl_fair.worker.builder import build_worker, engine_kind
 from sgl_fair.worker.scheduler import SchedulerConfig
 from sgl_fair.worker.service import WorkerCore
+from sgl_fair.worker.service_ledger import new_boot_id
 from sgl_fair.worker.sim.text import EosLengths, TextModel
 
 log = logging.getLogger("sgl_fair.worker")
@@ -115,6 +116,7 @@ class LiveWorker:
     def __init__(self, cfg: LiveWorkerConfig, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.core, self.context_len = build_live(cfg)
+        self.boot = self.core.boot = new_boot_id()  # in its Hello and every Load
         self.encoder = kv_events.KVEventEncoder(page_size=cfg.kv_page_size)
         self.ctx = ctx or zmq.Context.instance()
         self.open_sockets()
@@ -147,7 +149,7 @@ class LiveWorker:
         core = self.core
         return Hello(
             self.cfg.wid, time.time(), os.getpid(), core.scheduler.kv.capacity_tokens,
-            self.engine_name(), context_len=self.context_len or 0,
+            self.engine_name(), context_len=self.context_len or 0, boot=self.boot,
         )  # fmt: skip
 
     # ---- io ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import zmq
 
 from sgl_fair import kv_events
 from sgl_fair.messages import (
+    PROTOCOL_VERSION,
     Abort,
     Dispatch,
     Finished,
@@ -56,7 +57,7 @@ class RemoteWorker(LiveWorker):
         bind: str,
         *,
         keys: ServerKeys | None = None,
-        peer_timeout_s: float = 5 * ATTACH_PERIOD_S,
+        peer_timeout_s: float = 15 * ATTACH_PERIOD_S,
         ctx: zmq.Context | None = None,
     ) -> None:
         self.bind = bind
@@ -68,12 +69,10 @@ class RemoteWorker(LiveWorker):
         self.owners: dict[str, bytes] = {}  # rid -> the replica that dispatched it
         self._peer: bytes | None = None  # whose frame is being handled
         self._tag: DispatchTag | None = None  # the tag of the Dispatch being handled
-        self.ledger = ServiceLedger()  # what tagged dispatches got: sent with every Load
-        # rid -> (client, interaction id), for the ledger's Finished
-        self.tagged: dict[str, tuple[str, str | None]] = {}
         self._ever_tagged = False
         self._housekeeping_s = 0.0
         super().__init__(cfg, ctx=ctx)
+        self.ledger = ServiceLedger(boot=self.boot)  # what tagged dispatches got: in each Load
         self.parent = None  # standalone: no launcher to outlive
 
     def open_sockets(self) -> None:
@@ -116,13 +115,11 @@ class RemoteWorker(LiveWorker):
                 self._to(peer, Tokens(msg.worker, msg.t_s, tuple(items)))
         elif type(msg) is Finished:
             peer = self.owners.pop(msg.rid, None)
-            tagged = self.tagged.pop(msg.rid, None)
-            if tagged is not None:  # counted as it goes out
-                self.ledger.sent(msg.client, msg.num_output, interaction=tagged[1])
+            self.ledger.sent(msg.rid, msg.num_output)  # counted as it goes out
             if peer is not None:
                 self._to(peer, msg)
         elif type(msg) is Load:
-            if self.tagged or self.ledger.num_requests or self._ever_tagged:
+            if self._ever_tagged:
                 msg = msgspec.structs.replace(msg, service=self.ledger.report())
             for peer in list(self.peers):
                 self._to(peer, msg)
@@ -179,11 +176,20 @@ class RemoteWorker(LiveWorker):
         new = peer not in self.peers
         self.peers[peer] = now
         if type(msg) is Attach:
+            if msg.version != PROTOCOL_VERSION:
+                if new or self.names.get(peer) != msg.router:
+                    log.error("worker %d: router %s speaks protocol %d, this worker %d: "
+                              "ignored", self.cfg.wid, msg.router, msg.version,
+                              PROTOCOL_VERSION)  # fmt: skip
+                    self.names[peer] = msg.router
+                self.peers.pop(peer, None)
+                return
             if new or self.names.get(peer) != msg.router:
                 self.names[peer] = msg.router
                 log.info("worker %d: router %s attached", self.cfg.wid, msg.router)
                 self.send(self.hello())
                 self._to(peer, self.snapshot(now))
+                self.ledger.want_full()  # its view of the rows starts from a snapshot
             return
         if type(msg) in (Detach, Shutdown):  # a replica stopping never stops a shared worker
             self.forget(peer, "it detached")
@@ -193,6 +199,8 @@ class RemoteWorker(LiveWorker):
         if type(msg) is Dispatch:
             rid = msg.req.rid
             if rid in self.owners or rid in self.core.requests:
+                if self._tag is not None and self._tag.charge >= 0:  # its replica charged it
+                    self.ledger.refused(self._tag.replica, msg.req.client, self._tag.charge)
                 self._to(peer, self.refused(msg, "request id already in flight on this worker"))
                 return
             self.owners[rid] = peer
@@ -213,19 +221,13 @@ class RemoteWorker(LiveWorker):
         return KVSnapshot(self.cfg.wid, now, kv_events.encode_batch(batch))
 
     def ledger_received(self, tag: DispatchTag, msg: Dispatch) -> None:
-        """Count a tagged dispatch. A replica that forgot this worker (it was removed and came
-        back) counts from 1 again: its count here starts over with it."""
-        client, iid = msg.req.client, msg.req.interaction_id
+        """Count a tagged dispatch in its replica's row for the client."""
         if tag.charge < 0:
             log.error("worker %d: dropped a tag with charge %d", self.cfg.wid, tag.charge)
             return
-        try:
-            self.ledger.received(tag.replica, tag.seq, client, tag.charge, interaction=iid)
-        except ValueError as e:
-            log.warning("worker %d: %s; counting from there", self.cfg.wid, e)
-            self.ledger.restart(tag.replica, tag.seq - 1)
-            self.ledger.received(tag.replica, tag.seq, client, tag.charge, interaction=iid)
-        self.tagged[msg.req.rid] = (client, iid)
+        req = msg.req
+        self.ledger.received(req.rid, tag.replica, req.client, tag.charge,
+                             interaction=req.interaction_id)  # fmt: skip
         self._ever_tagged = True
 
     def refused(self, msg: Dispatch, why: str) -> Finished:
@@ -256,13 +258,15 @@ def remote_worker_main(
     keys: ServerKeys | None = None,
     ready: Any = None,
     watch_parent: bool = False,
+    *,
+    peer_timeout_s: float = 15 * ATTACH_PERIOD_S,
 ) -> None:
     """Process entry point: serve until SIGINT/SIGTERM. ``ready``: an Event set once bound;
     ``watch_parent``: stop when the process that started this one exits (a launcher's)."""
     logging.basicConfig(
         level=cfg.log_level.upper(), format=f"%(asctime)s worker{cfg.wid} %(levelname)s %(message)s"
     )
-    worker = RemoteWorker(cfg, bind, keys=keys)
+    worker = RemoteWorker(cfg, bind, keys=keys, peer_timeout_s=peer_timeout_s)
     if watch_parent:
         worker.parent = os.getppid()
 

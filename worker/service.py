@@ -52,6 +52,7 @@ class WorkerCore:
         if load_interval_s <= 0:
             raise ValueError(f"load_interval_s must be > 0 (got {load_interval_s})")
         self.wid = wid
+        self.boot = 0  # its process's boot id, in every Load (a live worker's; 0: not said)
         self.scheduler = scheduler
         self.engine = engine
         self.load_interval_s = load_interval_s
@@ -173,6 +174,7 @@ class WorkerCore:
             usage.cached,
             sched.kv.capacity_tokens,
             sched.stats.num_retractions,
+            boot=self.boot,
         )
 
     def _finished(self, req: Request, now: float) -> Finished:

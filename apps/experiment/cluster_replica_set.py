@@ -59,7 +59,7 @@ class ReplicaSet:
         self.kv_event_delay_s = kv_event_delay_s
         self._next = 0
         self._owner: dict[str, int] = {}  # rid -> replica, while in flight
-        self._tags: dict[str, tuple[int, int, int]] = {}
+        self._tags: dict[str, tuple[int, int]] = {}
         self._feed: deque[tuple[float, int, int, tuple[int, ...]]] = deque()  # due, r, u, path
         policy = self.replicas[0].policy  # the service units the lag is measured in
         weights = policy.service_weights() if isinstance(policy, PeerServiceAware) else (1.0, 2.0)
@@ -92,7 +92,7 @@ class ReplicaSet:
         u = dispatch.worker
         if match is None:  # the charge the replica tagged the dispatch with
             assert rep.last_tag is not None
-            extend = rep.last_tag[2]
+            extend = rep.last_tag[1]
         else:
             extend = req.input_len - match.per_worker.get(u, 0)
         self._account(r, u, req.client, extend, 0)
@@ -105,7 +105,7 @@ class ReplicaSet:
                 self._feed.append((due, r, u, req.input_ids))
         return dispatch
 
-    def take_tag(self, rid: str) -> tuple[int, int, int] | None:
+    def take_tag(self, rid: str) -> tuple[int, int] | None:
         return self._tags.pop(rid, None)
 
     def handle(self, msg: Tokens | Finished | Evicted | Load, now: float) -> None:

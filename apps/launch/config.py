@@ -67,6 +67,8 @@ class LaunchConfig:
     http_header_timeout_s: float = 10.0  # a connection's next request headers, or it closes
     max_connections: int | None = None  # None: the file limit less a reserve
     startup_timeout_s: float = 120.0
+    # Serve once this many workers said Hello (None: every one); the rest join when they do.
+    min_ready_workers: int | None = None
     max_tree_tokens: int | None = 4_000_000
     # --backend sglang
     worker_urls: tuple[str, ...] = ()  # servers already running (else the launcher starts dp)
@@ -182,6 +184,8 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
             bad(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if not a.time_scale > 0:
         bad(f"--time-scale must be > 0 (got {a.time_scale})")
+    if a.min_ready_workers is not None and not 1 <= a.min_ready_workers <= dp:
+        bad(f"--min-ready-workers must be in 1..{dp} (got {a.min_ready_workers})")
     if not a.heartbeat_timeout > 0:
         bad(f"--heartbeat-timeout must be > 0 (got {a.heartbeat_timeout})")
     try:
@@ -301,6 +305,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         http_header_timeout_s=a.http_header_timeout,
         max_connections=a.max_connections,
         startup_timeout_s=startup_timeout,
+        min_ready_workers=a.min_ready_workers,
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),
         worker_api_key=worker_api_key,

@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait this long for every worker (default: 120; sglang: 900, loading a model "
         "takes minutes)",
     )  # fmt: skip
+    p.add_argument(
+        "--min-ready-workers", type=int, default=None, metavar="N",
+        help="serve once N workers said Hello, within --startup-timeout (default: every "
+        "one); the others join when they do, as a worker restarted at run time does (a "
+        "router replica rolled out while a GPU node is down starts with the rest)",
+    )  # fmt: skip
     # ---- many hosts (docs/operators.md): remote workers and router replicas ----
     p.add_argument(
         "--worker-endpoint", action="append", default=[], metavar="tcp://HOST:PORT",

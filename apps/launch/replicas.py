@@ -100,15 +100,23 @@ def free_port_pairs(host: str, n: int, avoid: set[int]) -> list[int]:
 
 
 def new_replica_id() -> int:
-    """A replica's id in the workers' service reports: new for every process, so that a
-    restarted replica's dispatch count never mixes with its predecessor's."""
-    return random.getrandbits(31)
+    """A replica's id in the workers' service reports (its rows): new for every process, so
+    that a restarted replica is a new row, never its predecessor's."""
+    return random.SystemRandom().getrandbits(31)
+
+
+def replica_process_config(cfg: Any) -> Any:
+    """The config a replica process serves with: a new id drawn in the process itself (the
+    launcher restarts a replica with the same config), where it shares service."""
+    if cfg.replica_id is None:
+        return cfg
+    return dataclasses.replace(cfg, replica_id=new_replica_id())
 
 
 def _replica_main(cfg: Any, ready_file: str) -> None:
     from sgl_fair.launch.serve import serve
 
-    sys.exit(serve(cfg, ready_file=ready_file))
+    sys.exit(serve(replica_process_config(cfg), ready_file=ready_file))
 
 
 def _spawn(target: Any, args: tuple, name: str, *, daemon: bool = True) -> Any:

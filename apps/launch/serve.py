@@ -121,11 +121,16 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         state.membership.start()
         workers.start(state)
         try:
-            await state.service.wait_ready(cfg.startup_timeout_s)
+            await state.service.wait_ready(cfg.startup_timeout_s, cfg.min_ready_workers)
         except (TimeoutError, RuntimeError) as e:
             print(f"launch: error: {workers.startup_error(e)}", file=sys.stderr)
             await state.service.close()
             return 1
+        missing = [w.wid for w in state.service.workers.values() if not w.ever_ready]
+        if missing:
+            print(f"launch: serving with {len(state.service.workers) - len(missing)} of "
+                  f"{len(state.service.workers)} workers; workers {missing} join when they "
+                  "say Hello", file=sys.stderr, flush=True)  # fmt: skip
         await workers.ready(state)
         server = Server(
             uvicorn.Config(

@@ -66,7 +66,9 @@ class SGLangWorkers(Workers):
             state.service.watch_process(i, watched)
 
     async def ready(self, state: Any) -> None:
-        infos = await probe_servers(self.urls, self.cfg.worker_api_key)
+        up = [url for i, url in enumerate(self.urls)  # --min-ready-workers: the ones up
+              if (w := state.service.workers.get(i)) is not None and w.ever_ready]  # fmt: skip
+        infos = await probe_servers(up, self.cfg.worker_api_key)
         contexts = [x.context_len for x in infos if x.context_len]
         state.adopt_engine_limits(
             context_len=min(contexts) if contexts else None,

@@ -123,3 +123,17 @@ def test_a_taken_replica_port_is_refused_before_any_worker_starts(capsys):
         assert serve_replicas(cfg) == 2
     err = capsys.readouterr().err
     assert "is in use" in err and "one per replica" in err
+
+
+def test_each_replica_process_draws_its_own_id():
+    """``--router-replicas`` restarts a replica with the config it started with; its id is
+    drawn in the process, so the restarted one is a new row in the workers' ledgers."""
+    import dataclasses
+
+    from sgl_fair.launch.replicas import replica_process_config
+
+    cfg = dataclasses.replace(parse_config(["--dp", "1"]), replica_id=5)
+    ids = {replica_process_config(cfg).replica_id for _ in range(8)}
+    assert len(ids) == 8 and 5 not in ids
+    alone = dataclasses.replace(cfg, replica_id=None)  # --replica-state independent
+    assert replica_process_config(alone).replica_id is None

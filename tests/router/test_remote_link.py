@@ -137,14 +137,21 @@ def test_replicas_share_one_fairness_state_through_the_worker(worker_port) -> No
             await svc.start()
             link.start()
         await both_up(a, b)
-        calls = [a.submit(req(f"x{i}", 5), "t") for i in range(3)]
-        await asyncio.wait_for(asyncio.gather(*(c.done.wait() for c in calls)), 10)
+        calls = [a.submit(req(f"x{i}", 300 if i == 0 else 5), "t") for i in range(3)]
+        while not calls[0].tokens:  # x0 runs on the worker
+            await asyncio.sleep(0.01)
+        # b sends a rid a's call holds there now: the worker refuses it (before: a hole in
+        # b's dispatch sequence, every later report refused, b's service counted twice)
+        dup = b.submit(req("x0", 5), "t")
+        await asyncio.wait_for(asyncio.gather(*(c.done.wait() for c in [*calls, dup])), 10)
+        assert dup.finished is not None and not dup.finished.ok
         out = sum(len(c.finished.output_ids) for c in calls)
         await asyncio.sleep(0.5)  # a few Load reports
         extend, served = a.router.state.service(0, "c")
         assert extend > 0 and served == out
         assert b.router.state.service(0, "c") == (extend, served)
         assert b.router.state.num_reports > 0 and not b.calls
+        assert a.router.state.num_refused_reports == b.router.state.num_refused_reports == 0
         for svc, link in ((a, la), (b, lb)):
             await link.close()
             await svc.close()

@@ -1,5 +1,6 @@
-"""Router replicas' shared fairness state: the workers' service reports merged with a replica's
-own unreported dispatches (router/replica_state.py, worker/service_ledger.py, issue 34)."""
+"""Router replicas' shared fairness state: a replica's own service plus the other replicas'
+rows in the workers' reports (router/replica_state.py, worker/service_ledger.py, issues 34
+and 40)."""
 
 from __future__ import annotations
 
@@ -15,80 +16,158 @@ from sgl_fair.router.replica import ReplicaRouter
 from sgl_fair.router.replica_state import ReplicaState
 from sgl_fair.worker.service_ledger import ServiceLedger
 
-
-def _report(clients=(), seqs=(), num_requests=0) -> ServiceReport:
-    return ServiceReport(tuple(clients), tuple(seqs), num_requests)
+BOOT = 77
 
 
-def test_own_dispatches_count_once_before_during_and_after_the_report_that_covers_them():
+def _report(rows=(), requests=(), num_requests=0, *, full=True, boot=BOOT) -> ServiceReport:
+    """Rows as (replica, client, extend, output[, born=1])."""
+    rows = tuple(r if len(r) == 5 else (*r, 1) for r in rows)
+    return ServiceReport(boot, rows, full, tuple(requests), num_requests)
+
+
+def _base(s: ReplicaState, worker: int = 1, t: float = 0.0) -> None:
+    assert s.report(worker, t, _report()) == []  # the boot's first snapshot: a baseline
+
+
+def test_own_service_counts_at_once_and_only_the_others_rows_add_to_it():
     s = ReplicaState(0)
-    assert s.dispatched(1, "a", 100) == 1
-    assert s.dispatched(1, "a", 50) == 2
+    _base(s)
+    s.dispatched(1, "a", 100)
+    s.dispatched(1, "a", 50)
     assert s.service(1, "a") == (150, 0)
-    # The worker has received only the first: the second is still ours, unreported.
-    assert s.report(1, 1.0, _report([("a", 100, 0)], [(0, 1)], 1)) == []
+    # The worker has received only the first: its row for us says 100; ours stays ours.
+    assert s.report(1, 1.0, _report([(0, "a", 100, 0)], [(0, 1)], 1)) == []
     assert s.service(1, "a") == (150, 0)
     # Both received, plus 30 tokens another replica (1) dispatched: only those are new.
-    peers = s.report(1, 2.0, _report([("a", 180, 0)], [(0, 2), (1, 1)], 3))
+    peers = s.report(1, 2.0, _report([(0, "a", 150, 0), (1, "a", 30, 0)], [(0, 2), (1, 1)], 3))
     assert peers == [("a", 30, 0)]
     assert s.service(1, "a") == (180, 0)
     assert s.peer_requests(1) == 1  # 3 on the worker, 2 of them ours
     # The same totals again: nothing new, nothing counted twice.
-    assert s.report(1, 3.0, _report([("a", 180, 0)], [(0, 2), (1, 1)], 3)) == []
+    assert s.report(1, 3.0, _report([(0, "a", 150, 0), (1, "a", 30, 0)], [(0, 2), (1, 1)], 3)) == []
     assert s.service(1, "a") == (180, 0)
+    # A report of only the changed rows (not full) keeps the others.
+    peers = s.report(1, 4.0, _report([(2, "a", 5, 0)], [(0, 2), (1, 1), (2, 1)], 4, full=False))
+    assert peers == [("a", 5, 0)] and s.service(1, "a") == (185, 0)
 
 
-def test_own_outputs_are_not_doubled_when_the_report_catches_up():
+def test_own_outputs_are_never_read_back_from_a_report():
     s = ReplicaState(0)
+    _base(s, 0)
     s.dispatched(0, "a", 10)
     s.finished(0, "a", 7)  # our Finished arrived before the worker's next report
     assert s.service(0, "a") == (10, 7)
-    peers = s.report(0, 1.0, _report([("a", 10, 7), ("b", 5, 4)], [(0, 1), (2, 1)], 1))
-    assert peers == [("b", 5, 4)]  # b is all another replica's; a's output was ours
+    rows = [(0, "a", 10, 7), (2, "b", 5, 4)]
+    assert s.report(0, 1.0, _report(rows, [(2, 1)], 1)) == [("b", 5, 4)]
     assert s.service(0, "a") == (10, 7) and s.service(0, "b") == (5, 4)
     assert s.peer_requests(0) == 1
+    # a report that says anything of our own row changes nothing of our view
+    assert s.report(0, 2.0, _report([(0, "a", 999, 999), (2, "b", 5, 4)], [], 0)) == []
+    assert s.service(0, "a") == (10, 7)
 
 
-def test_old_reports_are_ignored_and_contradictions_raise():
+def test_old_reports_are_ignored_and_a_report_that_fails_a_check_changes_nothing():
     s = ReplicaState(0)
-    s.dispatched(0, "a", 10)
-    assert s.report(0, 2.0, _report([("a", 10, 0)], [(0, 1)], 1)) == []
-    assert s.report(0, 1.0, _report([("a", 99, 0)], [(0, 1)], 1)) == []  # older: ignored
+    _base(s, 0)
+    assert s.report(0, 2.0, _report([(1, "a", 10, 0), (1, "b", 3, 0)])) == [
+        ("a", 10, 0),
+        ("b", 3, 0),
+    ]
+    assert s.report(0, 1.0, _report([(1, "a", 99, 0)])) == []  # older: ignored
     assert s.num_stale_reports == 1 and s.service(0, "a") == (10, 0)
-    with pytest.raises(ValueError, match="seq 5"):  # we never sent 5
-        s.report(0, 3.0, _report([("a", 10, 0)], [(0, 5)], 1))
-    s.finished(0, "a", 3)
-    with pytest.raises(ValueError, match="undercounts"):  # our 3 output tokens are missing
-        s.report(0, 3.0, _report([("a", 10, 0)], [(0, 1)], 0))
+    bad = _report([(1, "b", 9, 0), (1, "a", 4, 0)])  # b grew, a went back: refused whole
+    with pytest.raises(ValueError, match="went back"):
+        s.report(0, 3.0, bad)
+    assert s.service(0, "a") == (10, 0) and s.service(0, "b") == (3, 0)
+    assert s.report(0, 3.0, _report([(1, "a", 10, 0), (1, "b", 9, 0)])) == [("b", 6, 0)]
 
 
-def test_a_rejoined_workers_first_report_is_a_baseline_not_new_service():
+def test_a_late_replica_charges_no_history_and_waits_for_a_snapshot():
+    """Before: a fresh or restarted replica's first report charged every worker's whole
+    history as new peer service (10,000,000 tokens against 10,000 for a newer worker)."""
     s = ReplicaState(0)
-    s.dispatched(0, "a", 10)
-    assert s.report(0, 1.0, _report([("a", 510, 0)], [(0, 1), (1, 3)], 2)) == [("a", 500, 0)]
-    s.worker_removed(0)  # the policy forgot the worker's deficits with it
+    history = [(1, "a", 10_000_000, 2_000_000), (2, "b", 500, 0)]
+    assert s.report(0, 1.0, _report(history[:1], full=False)) == []  # no snapshot yet
+    assert not s.has_baseline(0) and s.service(0, "a") == (0, 0)
+    assert s.report(0, 2.0, _report(history)) == []  # the snapshot: a baseline
+    assert s.has_baseline(0) and s.service(0, "a") == (10_000_000, 2_000_000)
+    assert s.report(0, 3.0, _report([(1, "a", 10_000_040, 2_000_000)], full=False)) == [
+        ("a", 40, 0)
+    ]
+
+
+def test_a_new_boot_or_a_rejoined_worker_starts_from_a_baseline():
+    s = ReplicaState(0)
+    _base(s, 0)
+    assert s.report(0, 1.0, _report([(1, "a", 500, 0)])) == [("a", 500, 0)]
+    s.worker_removed(0)  # the policy forgot the worker's service with it
     assert s.service(0, "a") == (0, 0)
-    assert s.dispatched(0, "a", 20) == 1  # our count starts again (the worker's too)
-    # 530 of history (ours and the others'): a baseline, charged to nobody.
-    assert s.report(0, 2.0, _report([("a", 530, 0)], [(0, 1), (1, 3)], 3)) == []
+    s.dispatched(0, "a", 20)
+    # 530 of history: a baseline, charged to nobody; our own 20 stays counted by us
+    assert s.report(0, 2.0, _report([(1, "a", 510, 0), (0, "a", 20, 0)])) == []
     assert s.service(0, "a") == (530, 0)
-    # From then on only what is new counts.
-    assert s.report(0, 3.0, _report([("a", 570, 0)], [(0, 1), (1, 4)], 4)) == [("a", 40, 0)]
+    assert s.report(0, 3.0, _report([(1, "a", 550, 0)], full=False)) == [("a", 40, 0)]
+    # the worker restarted (a new boot, the same pid or not): its rows start again
+    assert s.report(0, 4.0, _report([(1, "a", 3, 0)], boot=BOOT + 1, full=False)) == []
+    assert s.report(0, 5.0, _report([(1, "a", 7, 0)], boot=BOOT + 1)) == []  # baseline
+    assert s.report(0, 6.0, _report([(1, "a", 9, 0)], boot=BOOT + 1)) == [("a", 2, 0)]
 
 
-def test_ledger_checks_order_and_reports_totals():
-    ledger = ServiceLedger()
-    ledger.received(0, 1, "a", 10)
-    ledger.received(1, 1, "a", 5)
-    with pytest.raises(ValueError, match="in order"):
-        ledger.received(0, 3, "a", 1)
-    ledger.sent("a", 4)
+def test_a_forgotten_row_leaves_the_view_and_comes_back_whole():
+    s = ReplicaState(0)
+    _base(s, 0)
+    assert s.report(0, 1.0, _report([(1, "a", 50, 5, 1), (1, "b", 7, 0, 2)])) == [
+        ("a", 50, 5), ("b", 7, 0)]  # fmt: skip
+    assert s.report(0, 2.0, _report([(1, "b", 7, 0, 2)])) == []  # a forgotten, idle
+    assert s.service(0, "a") == (0, 0) and s.service(0, "b") == (7, 0)
+    # a comes back: a new row (born 3), all of it new
+    assert s.report(0, 3.0, _report([(1, "a", 8, 0, 3)], full=False)) == [("a", 8, 0)]
+    assert s.service(0, "a") == (8, 0)
+    # born again between two reports this replica saw: the old row's totals leave the sum
+    assert s.report(0, 4.0, _report([(1, "a", 2, 0, 4)], full=False)) == [("a", 2, 0)]
+    assert s.service(0, "a") == (2, 0)
+
+
+def test_the_ledger_keeps_a_row_per_replica_and_client():
+    ledger = ServiceLedger(boot=5, full_every=3, idle_reports=3)
+    ledger.received("r1", 0, "a", 10)
+    ledger.received("r2", 1, "a", 5, interaction="i")
+    with pytest.raises(ValueError, match="here already"):
+        ledger.received("r1", 0, "a", 1)
+    ledger.refused(0, "a", 1)  # the duplicate, refused here: its replica charged it
+    ledger.sent("r2", 4)
+    ledger.sent("unknown", 9)  # untagged: nothing
     report = ledger.report()
-    assert report.clients == (("a", 15, 4),) and dict(report.seqs) == {0: 1, 1: 1}
-    assert report.num_requests == 1
-    ledger.sent("a", 0)  # the second request (rejected, say)
-    with pytest.raises(ValueError, match="no request"):
-        ledger.sent("a", 1)
+    assert report.full and report.boot == 5 and report.num_requests == 1
+    assert sorted(report.rows) == [(0, "a", 11, 0, 1), (1, "a", 5, 4, 2)]
+    assert report.requests == ((0, 1),) and report.interactions == ("i",)
+    report = ledger.report()  # nothing changed: no rows
+    assert not report.full and report.rows == () and report.interactions == ()
+    ledger.sent("r1", 3)
+    report = ledger.report()  # the third: a snapshot
+    assert report.full and sorted(report.rows) == [(0, "a", 11, 3, 1), (1, "a", 5, 4, 2)]
+    for _ in range(3):
+        report = ledger.report()
+    assert report.full and report.rows == () and ledger.num_rows == 0  # idle: forgotten
+    ledger.received("r3", 1, "a", 6)
+    assert ledger.report().rows == ((1, "a", 6, 0, 3),)  # born again
+    ledger.want_full()
+    assert ledger.report().full
+
+
+def test_the_ledger_stays_bounded_under_one_shot_clients():
+    """100,000 one-shot clients through two replicas: the rows, and each report, stay
+    bounded by what was active within ``idle_reports`` reports."""
+    ledger = ServiceLedger(boot=1, full_every=10, idle_reports=20)
+    biggest = 0
+    for k in range(1000):
+        for j in range(100):
+            rid = f"{k}-{j}"
+            ledger.received(rid, j % 2, rid, 100)
+            ledger.sent(rid, 10)
+        report = ledger.report()
+        biggest = max(biggest, len(report.rows))
+    assert ledger.num_rows <= 100 * 31 and biggest <= 100 * 31
 
 
 def _finished(worker: int, rid: str, client: str, n_out: int, t: float) -> Finished:
@@ -98,12 +177,15 @@ def _finished(worker: int, rid: str, client: str, n_out: int, t: float) -> Finis
 def test_d2lpm_replicas_see_each_others_service_and_queues_through_reports():
     a = ReplicaRouter(make_router_policy("d2lpm"), 2, replica=0)
     b = ReplicaRouter(make_router_policy("d2lpm"), 2, replica=1)
-    ledgers = [ServiceLedger(), ServiceLedger()]
+    ledgers = [ServiceLedger(boot=1, full_every=1), ServiceLedger(boot=2, full_every=1)]
     req = Request(rid="r1", client="c", input_ids=tuple(range(40)), output_len=4, arrival_s=0.0)
     d = b.dispatch(req, 0.0)
-    replica, seq, charge = b.last_tag
-    assert (replica, seq, charge) == (1, 1, 40)
-    ledgers[d.worker].received(replica, seq, "c", charge)
+    replica, charge = b.last_tag
+    assert (replica, charge) == (1, 40)
+    for r in (a, b):  # the first snapshots: baselines
+        for u in range(2):
+            r.handle(Load(u, 0.05, 0, 0, 0, 0, 100, service=ledgers[u].report()), 0.05)
+    ledgers[d.worker].received("r1", replica, "c", charge)
     before = a.policy.deficit(d.worker, "c")
     load = Load(d.worker, 0.1, 1, 0, 0, 0, 100, service=ledgers[d.worker].report())
     a.handle(load, 0.1)
@@ -112,7 +194,7 @@ def test_d2lpm_replicas_see_each_others_service_and_queues_through_reports():
     b.handle(load, 0.1)
     assert b.queue_len(d.worker) == 1  # its own, not counted twice
     # b's request finishes with 4 tokens: a hears of them only from the next report.
-    ledgers[d.worker].sent("c", 4)
+    ledgers[d.worker].sent("r1", 4)
     b.handle(_finished(d.worker, "r1", "c", 4, 0.2), 0.2)
     load = Load(d.worker, 0.3, 0, 0, 0, 0, 100, service=ledgers[d.worker].report())
     for r in (a, b):
@@ -129,8 +211,12 @@ def test_a_replicas_view_is_stale_by_at_most_one_period_and_never_ahead():
     nothing not yet charged."""
     rng = random.Random(7)
     period, delay = 0.1, 0.005
-    ledgers = [ServiceLedger(), ServiceLedger()]
+    ledgers = [ServiceLedger(boot=1), ServiceLedger(boot=2)]
     states = [ReplicaState(0), ReplicaState(1)]
+    for r in range(2):
+        for u in range(2):
+            states[r].report(u, 0.0, ledgers[u].report())  # baselines (empty)
+        ledgers[r].want_full()
     truth: list[tuple[float, int, int, str, int]] = []  # t, replica, worker, client, service
     events: list = []
     n = 0
@@ -152,17 +238,17 @@ def test_a_replicas_view_is_stale_by_at_most_one_period_and_never_ahead():
         if what[0] == "dispatch":
             _, r, u, client, i = what
             charge = rng.randint(1, 500)
-            seq = states[r].dispatched(u, client, charge)
+            states[r].dispatched(u, client, charge)
             truth.append((t, r, u, client, charge))
-            push(t + delay, "arrive", r, seq, u, client, charge)
+            push(t + delay, "arrive", r, i, u, client, charge)
         elif what[0] == "arrive":
-            _, r, seq, u, client, charge = what
-            ledgers[u].received(r, seq, client, charge)
-            push(t + rng.uniform(0.0, 0.3), "finish", r, u, client)
+            _, r, i, u, client, charge = what
+            ledgers[u].received(str(i), r, client, charge)
+            push(t + rng.uniform(0.0, 0.3), "finish", r, u, client, i)
         elif what[0] == "finish":  # the worker sends Finished to its replica
-            _, r, u, client = what
+            _, r, u, client, i = what
             out = rng.randint(1, 50)
-            ledgers[u].sent(client, out)
+            ledgers[u].sent(str(i), out)
             push(t + delay, "finished", r, u, client, out)
         elif what[0] == "finished":
             _, r, u, client, out = what
@@ -191,7 +277,7 @@ def test_a_report_travels_on_the_wire_with_its_load():
     from sgl_fair.transport import decode, encode
 
     ledger = ServiceLedger()
-    ledger.received(3, 1, "tenant-a", 120)
+    ledger.received("r", 3, "tenant-a", 120)
     load = Load(2, 1.5, 0, 1, 10, 0, 100, service=ledger.report())
     assert decode(encode(load)) == load
     assert decode(encode(Load(2, 1.5, 0, 1, 10, 0, 100))).service is None
@@ -227,15 +313,15 @@ def test_an_interaction_started_through_one_replica_is_not_refused_by_another():
         assert r.throttle(call(rid, "old", 0.0), 0.0) is None
     assert a.throttle(first, 0.1) is None  # A's 2nd call of the user: within the limit
     a.dispatch(first, 0.1)
-    replica_, seq, charge = a.last_tag
-    ledger.received(replica_, seq, "u", charge, interaction="agent-1")
+    replica_, charge = a.last_tag
+    ledger.received("r1", replica_, "u", charge, interaction="agent-1")
     for r in (a, b):
         r.handle(report(0.2), 0.2)
     assert b.throttle(call("r2", "agent-1", 0.3), 0.3) is None  # mid-interaction: through
     assert b.throttle(call("r3", "agent-2", 0.3), 0.3) is not None  # a new one: refused
     # call 1 ends; its interaction is listed once more (its Finished went out since the last
     # report), then no more, and B keeps it for interaction_timeout_s like its own
-    ledger.sent("u", 4, interaction="agent-1")
+    ledger.sent("r1", 4)
     b.handle(report(0.4), 0.4)
     assert "agent-1" not in ledger.report().interactions
     assert b.throttle(call("r4", "agent-1", 5.0), 5.0) is None

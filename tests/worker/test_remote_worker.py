@@ -189,7 +189,7 @@ def test_the_service_report_lists_the_interactions_under_way(worker: int) -> Non
         wait_for(r, lambda r=r: r.of(Hello))
     req = request("agent-call", output_len=40)
     req.interaction_id = "agent-7"
-    a.sock.send_multipart([encode_control(DispatchTag(5, 1, 64)), encode(Dispatch(0, req, 0.0))])
+    a.sock.send_multipart([encode_control(DispatchTag(5, 64)), encode(Dispatch(0, req, 0.0))])
 
     def listed(r: Replica) -> list[bool]:
         return ["agent-7" in m.service.interactions for m in r.of(Load) if m.service is not None]

@@ -53,6 +53,7 @@ from sgl_fair.messages import (
 )
 from sgl_fair.request import Request
 from sgl_fair.transport import Endpoints, WireError, decode, encode
+from sgl_fair.worker.service_ledger import new_boot_id
 
 from .http_api import (
     Outcome,
@@ -147,6 +148,7 @@ class Bridge:
         # are answered lost at once and no Load goes out until /health answers again, so the
         # router routes around this worker instead of taking it back at the next Load.
         self.server_down = False
+        self.boot = new_boot_id()  # in its Hello and every Load
         # new tokens of every stream read in one event-loop pass: one Tokens message
         self.batch = TokenBatch(cfg.wid, self.outbox)
         self.tokens = self.batch.add
@@ -232,7 +234,7 @@ class Bridge:
                 log.warning("bridge %d: SGLang server %s: %s", cfg.wid, self.url, warning)
         kv_cap = self.info.kv_capacity_tokens
         hello = Hello(cfg.wid, time.time(), os.getpid(), kv_cap, self.info.engine,
-                      context_len=self.info.context_len or 0)  # fmt: skip
+                      context_len=self.info.context_len or 0, boot=self.boot)  # fmt: skip
         self.send(hello)
         log.info("bridge %d: %s ready (%s)", cfg.wid, self.url, self.info.engine)
         for coro in (self._load_loop(), self._health_loop(), self._poll_loads()):
@@ -306,7 +308,8 @@ class Bridge:
             num_waiting = max(int(snap.get("num_waiting_reqs", 0)), len(self.jobs) - num_running)
             kv_used = int(snap.get("num_used_tokens", 0))
             kv_cap = int(snap.get("max_total_num_tokens") or kv_cap)
-        return Load(self.cfg.wid, time.time(), num_waiting, num_running, kv_used, 0, kv_cap)
+        return Load(self.cfg.wid, time.time(), num_waiting, num_running, kv_used, 0, kv_cap,
+                    boot=self.boot)  # fmt: skip
 
     async def _poll_loads(self) -> None:
         """SGLang's ``GET /v1/loads``; stops at the first answer that is not one (a server

@@ -21,7 +21,7 @@ calls, closed loop) and/or plain open-loop requests.
 **Service reports** (``ClusterConfig.report_period_s``; router replicas, ``docs/replicas.md``).
 Each worker keeps a ``ServiceLedger`` and sends its totals with a ``Load`` every
 ``report_period_s``, idle or not (the last such tick ends with the run's other events). A
-dispatch is tagged ``(replica, seq, charge)`` by ``take_tag(rid)`` (None for one router); the
+dispatch is tagged ``(replica, charge)`` by ``take_tag(rid)`` (None for one router); the
 tag travels with it, as the live ``Dispatch`` would carry it.
 """
 
@@ -75,8 +75,8 @@ class RouterLike(Protocol):
 
     def dispatch(self, req: Request, now: float) -> Dispatch: ...
 
-    def take_tag(self, rid: str) -> tuple[int, int, int] | None:
-        """The ``(replica, seq, charge)`` the dispatch of ``rid`` carries to its worker (router
+    def take_tag(self, rid: str) -> tuple[int, int] | None:
+        """The ``(replica, charge)`` the dispatch of ``rid`` carries to its worker (router
         replicas); None for a single router."""
         ...
 
@@ -205,7 +205,8 @@ def simulate_cluster(
         )
         interval = config.load_interval_s if period is None else period
         core = WorkerCore(wid, sched, engine, load_interval_s=interval)
-        workers.append(SimWorker(core, ledger=None if period is None else ServiceLedger()))
+        ledger = None if period is None else ServiceLedger(boot=wid + 1)
+        workers.append(SimWorker(core, ledger=ledger))
     delay = config.net_delay_s
     heap: list[tuple[float, int, int, Any]] = []
     seq = itertools.count()
@@ -298,8 +299,8 @@ def simulate_cluster(
             dispatch, tag = payload
             w = workers[dispatch.worker]
             if w.ledger is not None and tag is not None:
-                replica, dispatch_seq, charge = tag
-                w.ledger.received(replica, dispatch_seq, dispatch.req.client, charge)
+                replica, charge = tag
+                w.ledger.received(dispatch.req.rid, replica, dispatch.req.client, charge)
             w.inbox.append((dispatch.req, t))
             w.num_dispatched += 1
             if not w.busy and not w.wake_pending:
@@ -349,7 +350,7 @@ def simulate_cluster(
 def _with_ledger(ledger: ServiceLedger, msg: Any) -> Any:
     """Account a ``Finished`` as sent; put the ledger's totals on a ``Load``."""
     if isinstance(msg, Finished):
-        ledger.sent(msg.client, msg.num_output)
+        ledger.sent(msg.rid, msg.num_output)
     elif isinstance(msg, Load):
         return _replace_load(msg, ledger)
     return msg
