@@ -55,7 +55,12 @@ _TPOT = (
 _GAIN = "gains[setting=paper,be_batch={b},rate=10].vs_paged-recompute.rt_ttft_attain"
 
 
+_FS = "fairserve-apps-20*.json"
 _TPOT_GAIN = _GAIN.replace("rt_ttft", "rt_tpot_token")
+
+
+def _fs(policy: str, field: str) -> str:
+    return f"rows[scenario=paper,policy={policy}].{field}"
 
 
 def _adm(case: str, ref: str, waiting: str) -> tuple[str, str]:
@@ -117,6 +122,28 @@ FIGURES: list[Figure] = [
            unit="×", claim=_TTFT.format(b=256)),
     Figure("bicache-quick-ttft-512", "… BE batch 512", _BICACHE_Q, _GAIN.format(b=512),
            unit="×", claim=_TTFT.format(b=512)),
+    Figure("fs-wasted-rpm", "fairserve-apps (paper scenario, full): tokens wasted by rpm", _FS,
+           _fs("rpm", "tokens_wasted"), fmt="{:.0f}"),
+    Figure("fs-wasted", "… tokens wasted by fairserve", _FS, _fs("fairserve", "tokens_wasted"),
+           fmt="{:.0f}", claim="paper: fairserve wastes 0 tokens"),
+    Figure("fs-rpm-benign-users", "… benign users throttled by rpm", _FS,
+           _fs("rpm", "benign_users_throttled"), fmt="{:.0f}"),
+    Figure("fs-benign-users", "… benign users throttled by fairserve", _FS,
+           _fs("fairserve", "benign_users_throttled"), fmt="{:.0f}",
+           claim="paper: no benign user throttled"),
+    Figure("fs-queued", "… users queued, fairserve", _FS, _fs("fairserve", "users_queued_pct"),
+           fmt="{:.1f}", unit=" %", claim="paper: users seeing queueing delay <= 1/5"),
+    Figure("fs-queued-vtc", "… users queued, vtc", _FS, _fs("vtc", "users_queued_pct"),
+           fmt="{:.1f}", unit=" %"),
+    Figure("fs-overloaded", "… throughput while overloaded, fairserve ÷ vtc", _FS,
+           (_fs("fairserve", "served_overloaded_tok_s"), _fs("vtc", "served_overloaded_tok_s")),
+           unit="×", claim="paper: throughput while overloaded >= vtc's"),
+    Figure("fs-throughput", "… throughput over the whole run, fairserve ÷ vtc", _FS,
+           (_fs("fairserve", "throughput_tok_s"), _fs("vtc", "throughput_tok_s")),
+           unit="×", claim="paper: throughput >= vtc's"),
+    Figure("fs-interactions", "… interactions throttled, rpm ÷ fairserve", _FS,
+           (_fs("rpm", "interactions_throttled"), _fs("fairserve", "interactions_throttled")),
+           unit="×", claim="paper: fairserve throttles >= 10x fewer interactions"),
     Figure("sim-speed-min", "Simulator speed, vtc-overload full length, slowest policy",
            "sim-speed-*.json", "min_speedup", fmt="{:.0f}", unit="× real time",
            target=(">=", 100.0)),
@@ -140,4 +167,10 @@ README_QUOTES: list[str] = [
     "TTFT attainment {bicache-rate-ttft-32} at BE batch 32, {bicache-rate-ttft-256} at 256 and"
     " {bicache-rate-ttft-512} at 512, TPOT {bicache-rate-tpot-32}",
     "in virtual time, {sim-speed-min/n}–{sim-speed-max/n}× faster than real time",
+    "tokens wasted ({fs-wasted} vs rpm's {fs-wasted-rpm}), on rpm throttling low-rate benign"
+    " users ({fs-rpm-benign-users}), on users queued ({fs-queued} vs VTC's {fs-queued-vtc};",
+    "while overloaded ({fs-overloaded} VTC's;",
+    "its throughput is {fs-throughput} VTC's (the claim against Fig. 9a, ≥ VTC's: **FAIL**;",
+    "throttled by rpm ({fs-interactions}: the abusers' interactions dominate both counts;"
+    " **FAIL**) and throttles {fs-benign-users} benign users",
 ]

@@ -164,7 +164,7 @@ def _target(fig: Figure) -> str:
 def _claim_bound(claim: str) -> str:
     found = re.search(r"(>=|<=) ?([\d.]+x)", claim)
     if not found:
-        return "as stated"
+        return claim.removeprefix("paper: ").replace(">=", "≥").replace("<=", "≤")
     return f"{'≥' if found.group(1) == '>=' else '≤'} {found.group(2).replace('x', '×')}"
 
 
