@@ -65,6 +65,49 @@ def slo_pair(value: Any) -> tuple[float, float] | None:
     return float(value[0]), float(value[1])
 
 
+# Where a FairServe call's identity rides to an SGLang server, beside ``SLO_PARAM``: what
+# our bridge writes for a call of an interaction (``call_params``) and our plugin reads back
+# (``apply_call_params``), so FairServe inside SGLang sees interactions as at our router.
+CALL_PARAM = "sgl_fair_call"
+_MAX_NAME = 256  # an interaction id or app name longer than this is not ours: ignored
+
+
+def call_params(req: Request) -> dict[str, Any] | None:
+    """A call's interaction fields for ``CALL_PARAM`` (None when it has none to send)."""
+    out: dict[str, Any] = {}
+    if req.interaction_id is not None:
+        out["interaction"] = req.interaction_id
+    if req.app is not None:
+        out["app"] = req.app
+    if req.stage:
+        out["stage"] = req.stage
+    if req.system_len is not None:
+        out["system_len"] = req.system_len
+    if req.oit_checked:
+        out["oit_checked"] = True
+    return out or None
+
+
+def apply_call_params(req: Request, value: Any) -> None:
+    """Set ``req``'s interaction fields from ``CALL_PARAM``'s value, each only where it is
+    of its kind (a string of at most 256 characters, a count >= 0, a bool); never raises
+    (the plugin runs inside SGLang's scheduler): anything else is left as it was."""
+    if not isinstance(value, dict):
+        return
+    iid, app = value.get("interaction"), value.get("app")
+    if isinstance(iid, str) and 0 < len(iid) <= _MAX_NAME:
+        req.interaction_id = iid
+    if isinstance(app, str) and 0 < len(app) <= _MAX_NAME:
+        req.app = app
+    stage, system = value.get("stage"), value.get("system_len")
+    if type(stage) is int and stage >= 0:
+        req.stage = stage
+    if type(system) is int and system >= 0:
+        req.system_len = system
+    if value.get("oit_checked") is True:
+        req.oit_checked = True
+
+
 _seq = itertools.count()
 
 

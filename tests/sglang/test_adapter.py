@@ -419,7 +419,7 @@ def test_an_rt_requests_slos_come_from_custom_params():
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from sgl_fair.request import DEFAULT_TPOT_SLO_S, DEFAULT_TTFT_SLO_S, SLO_PARAM
-    from sgl_fair.worker.sglang.adapter import mirror_of
+    from sgl_fair.worker.sglang.mirror import mirror_of
     from sgl_fair.worker.sglang.settings import RT_PRIORITY
 
     def rt(rid, slo=None):
@@ -445,3 +445,40 @@ def test_an_rt_requests_slos_come_from_custom_params():
         rig.queue(r)
     clock[0] = 0.25  # loose: 0.15 s left; tight: 0.05 s left
     assert [r.rid for r in rig.admit()] == ["tight", "loose"]
+
+
+def test_a_fairserve_calls_interaction_reaches_the_plugin_through_the_bridge():
+    """Before, ``interaction_id`` and ``app`` never reached SGLang: FairServe inside the
+    plugin took every call as the start of its own interaction, and refused the second call
+    of an interaction under way while overloaded. The bridge's body (``CALL_PARAM`` in
+    ``custom_params``), through SGLang's own ``SamplingParams``, carries them now."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_fair.request import CALL_PARAM, Request
+    from sgl_fair.worker.sglang.http_api import generate_body
+    from sgl_fair.worker.sglang.mirror import mirror_of
+
+    def sent(rid: str, iid: str, **fields):
+        call = Request(rid=rid, client="u", input_ids=(7, 8, 9), output_len=4, arrival_s=0.0,
+                       interaction_id=iid, app="agent", **fields)  # fmt: skip
+        body = generate_body(call)
+        r = make_req(body["input_ids"], body["routing_key"], rid=rid)
+        r.sampling_params = SamplingParams(**body["sampling_params"])
+        return r
+
+    m = mirror_of(sent("x", "i-1", stage=2, system_len=1, oit_checked=True), 0.0)
+    assert (m.interaction_id, m.app, m.stage, m.system_len, m.oit_checked) == (
+        "i-1", "agent", 2, 1, True)  # fmt: skip
+    garbage = make_req([7, 8, 9], "u", rid="g")
+    garbage.sampling_params = SamplingParams(max_new_tokens=4, custom_params={CALL_PARAM: {
+        "interaction": 5, "app": "x" * 300, "stage": -1, "system_len": "2", "oit_checked": 1}})
+    m = mirror_of(garbage, 0.0)
+    assert (m.interaction_id, m.app, m.stage, m.system_len, m.oit_checked) == (
+        None, None, 0, None, False)  # fmt: skip
+    rig = fair_rig("fairserve", {"max_waiting": 0, "limits": {"user_limit": 1, "window_s": 60}})
+    fair = rig.scheduler.policy
+    for rid, iid in (("a1", "A"), ("b1", "B"), ("a2", "A")):
+        r = sent(rid, iid)
+        fair.ledger.arrived(r)
+    assert set(fair.ledger.mirrors) == {"a1", "a2"}  # overloaded, over the limit: a new
+    assert fair.ledger.num_rejected == 1  # interaction refused, never a call of one under way

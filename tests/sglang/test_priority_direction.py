@@ -15,8 +15,8 @@ from sglang.srt.server_args import ServerArgs
 from sglang_rig import make_req, publish_server_args
 
 from sgl_fair.request import Request, ServiceClass
-from sgl_fair.worker.sglang.adapter import class_of
 from sgl_fair.worker.sglang.http_api import generate_body
+from sgl_fair.worker.sglang.mirror import class_of
 
 
 @pytest.fixture(params=[False, True], ids=["high-first", "low-first"])

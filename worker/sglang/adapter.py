@@ -49,11 +49,11 @@ from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.mem_cache.common import match_kv_cache
 
 from sgl_fair.policies.base import Policy, Rejection
-from sgl_fair.request import DEFAULT_CLIENT, SLO_PARAM, Phase, Request, ServiceClass, slo_pair
+from sgl_fair.request import Phase, Request
 from sgl_fair.worker.sglang import shadow as shadow_mod
 from sgl_fair.worker.sglang import shadow_events
 from sgl_fair.worker.sglang.hook_errors import HookErrors
-from sgl_fair.worker.sglang.settings import is_rt_priority
+from sgl_fair.worker.sglang.mirror import mirror_of
 
 log = logging.getLogger("sgl_fair.sglang")
 
@@ -66,47 +66,6 @@ _arrival = operator.attrgetter("arrival_s", "seq")  # arrival order of mirrors
 
 def adapter_for(tree_cache: Any) -> FairSchedulePolicy | None:
     return _ADAPTERS.get(id(tree_cache))
-
-
-def client_of(req: Req) -> str:
-    """The client a request is charged to: its ``routing_key`` (our router sets it)."""
-    key = getattr(req, "routing_key", None)
-    return str(key) if key else DEFAULT_CLIENT
-
-
-def mirror_of(req: Req, now: float, low_priority_first: bool = False) -> Request:
-    """Our ``Request`` for an SGLang ``Req``, as submitted (``low_priority_first``: the
-    server's ``--schedule-low-priority-values-first``)."""
-    max_new = req.sampling_params.max_new_tokens
-    max_new = max(1, int(max_new)) if max_new is not None else 1
-    m = Request(
-        rid=req.rid,
-        client=client_of(req),
-        input_ids=tuple(req.origin_input_ids),
-        output_len=max_new,
-        max_new_tokens=max_new,
-        arrival_s=now,
-        return_logprob=bool(req.return_logprob),
-        service_class=class_of(req, low_priority_first),
-    )
-    slos = slos_of(req)
-    if slos is not None:
-        m.ttft_slo_s, m.tpot_slo_s = slos
-    return m
-
-
-def slos_of(req: Req) -> tuple[float, float] | None:
-    """An RT request's (TTFT, TPOT) SLOs, as our bridge sends them (``SLO_PARAM`` in
-    ``custom_params``); None when absent or not valid (``sgl_fair.request.slo_pair``)."""
-    params = getattr(req.sampling_params, "custom_params", None)
-    return slo_pair(params.get(SLO_PARAM)) if isinstance(params, dict) else None
-
-
-def class_of(req: Req, low_priority_first: bool = False) -> ServiceClass:
-    """RT if SGLang's ``priority`` is what our bridge sends for RT requests in this server's
-    direction (``settings.class_priority_values``), else BE (the default class)."""
-    rt = is_rt_priority(getattr(req, "priority", None), low_priority_first)
-    return ServiceClass.RT if rt else ServiceClass.BE
 
 
 class Ledger:

@@ -24,7 +24,7 @@ import aiohttp
 import msgspec
 
 from sgl_fair.messages import FinishReason
-from sgl_fair.request import SLO_PARAM, Request, ServiceClass
+from sgl_fair.request import CALL_PARAM, SLO_PARAM, Request, ServiceClass, call_params
 from sgl_fair.worker.sglang.settings import class_priority_values
 
 # A 429 inside a stream carries no Retry-After header: when to retry, then.
@@ -180,6 +180,11 @@ def generate_body(
             params = dict(sampling.get("custom_params") or {})
             params[SLO_PARAM] = [req.ttft_slo_s, req.tpot_slo_s]
             sampling["custom_params"] = params
+    call = call_params(req)
+    if call is not None:  # a FairServe call: its interaction, for the plugin's FairServe
+        params = dict(sampling.get("custom_params") or {})
+        params[CALL_PARAM] = call
+        sampling["custom_params"] = params
     if req.return_logprob:
         body["return_logprob"] = True
         body["logprob_start_len"] = req.logprob_start_len
