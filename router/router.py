@@ -64,9 +64,14 @@ class Router:
         insert_outputs: bool = True,
         max_tree_tokens: int | None = None,
         oit: ClusterOIT | None = None,
+        queues_from_loads: bool = False,
     ) -> None:
         """``oit``: FairServe's throttling over the cluster (``router/oit.py``), checked by
-        ``throttle`` before a request is dispatched; None: nothing is throttled."""
+        ``throttle`` before a request is dispatched; None: nothing is throttled.
+        ``queues_from_loads``: other routers dispatch to these workers too and share no
+        service reports with this one (independent replicas; replicas over SGLang servers):
+        a worker's queue is at least what its latest ``Load`` counts, waiting and running,
+        every router's requests together."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         if max_tree_tokens is not None and max_tree_tokens < 0:
@@ -76,6 +81,7 @@ class Router:
         self.insert_outputs = insert_outputs
         self.max_tree_tokens = max_tree_tokens
         self.oit = oit
+        self.queues_from_loads = queues_from_loads
         self.now = 0.0
         self.inflight: dict[str, tuple[int, ClientId]] = {}  # rid -> (worker, client)
         self.stats: dict[int, WorkerStats] = {u: WorkerStats() for u in range(num_workers)}
@@ -94,7 +100,11 @@ class Router:
         return self._workers
 
     def queue_len(self, worker: int) -> int:
-        return self._queue_len.get(worker, 0)
+        own = self._queue_len.get(worker, 0)
+        if not self.queues_from_loads:
+            return own
+        load = self._loads.get(worker)
+        return own if load is None else max(own, load.num_waiting + load.num_running)
 
     def load(self, worker: int) -> Load | None:
         """The most recent ``Load`` report from ``worker`` (by its timestamp), if any."""

@@ -81,21 +81,7 @@ class ServerState:
         when every worker is remote and joins through ``membership``)."""
         kv_cap = kv_capacity_tokens
         context = cfg.context_length or context_len
-        oit = None
-        if getattr(cfg, "cluster_oit", False):  # FairServe's OIT over the cluster (oit.py)
-            oit_cfg = ClusterOITConfig.from_options(**getattr(cfg, "cluster_oit_opts", {}))
-            oit = ClusterOIT(oit_cfg.split(getattr(cfg, "tenant_limits_split", 1)))
-        # A replica among several that share fairness state through the workers' reports
-        # (router/replica.py) is a ReplicaRouter; it decides as a Router does otherwise.
-        replica = getattr(cfg, "replica_id", None)
-        router = (Router if replica is None else ReplicaRouter)(
-            make_router_policy(cfg.router_policy, **cfg.router_policy_opts),
-            cfg.dp,
-            **({} if replica is None else {"replica": replica}),
-            insert_outputs=not follow_kv_events,  # else the workers' KV events say it
-            max_tree_tokens=cfg.max_tree_tokens,
-            oit=oit,
-        )
+        router = build_router(cfg, follow_kv_events=follow_kv_events)
         telemetry = Telemetry(tenants=[t.name for t in tenants.tenants] if tenants else ())
         telemetry.watch_tree(router.tree)
         service = RouterService(
@@ -235,3 +221,27 @@ class ServerState:
                 400, f"{param} has {len(ids)} tokens; tenant limit is {cap}", param
             )
         return ids, max_new
+
+
+def build_router(cfg: Any, *, follow_kv_events: bool) -> Router:
+    """The launch config's router: its policy over ``cfg.dp`` workers, the cluster OIT if
+    asked, a ``ReplicaRouter`` where replicas share service reports."""
+    oit = None
+    if getattr(cfg, "cluster_oit", False):  # FairServe's OIT over the cluster (oit.py)
+        oit_cfg = ClusterOITConfig.from_options(**getattr(cfg, "cluster_oit_opts", {}))
+        oit = ClusterOIT(oit_cfg.split(getattr(cfg, "tenant_limits_split", 1)))
+    # A replica among several that share fairness state through the workers' reports
+    # (router/replica.py) is a ReplicaRouter; it decides as a Router does otherwise.
+    replica = getattr(cfg, "replica_id", None)
+    router = (Router if replica is None else ReplicaRouter)(
+        make_router_policy(cfg.router_policy, **cfg.router_policy_opts),
+        cfg.dp,
+        **({} if replica is None else {"replica": replica}),
+        insert_outputs=not follow_kv_events,  # else the workers' KV events say it
+        max_tree_tokens=cfg.max_tree_tokens,
+        oit=oit,
+        # one of several replicas that share no service reports: the workers' Loads
+        # count the others' requests too (the server's own counts over SGLang)
+        queues_from_loads=replica is None and getattr(cfg, "tenant_limits_split", 1) > 1,
+    )
+    return router

@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tenant-limits-split", type=int, default=1, metavar="R",
         help="enforce 1/R of each tenant's max_inflight, rpm and burst here (this router is "
-        "one of R replicas behind a load balancer; --router-replicas sets it)",
+        "one of R replicas behind a load balancer; --router-replicas sets it); with R > 1 a "
+        "replica that shares no service reports (over SGLang servers, or --replica-state "
+        "independent) takes each worker's queue from its Load, every replica's requests",
     )  # fmt: skip
     return p

@@ -470,8 +470,18 @@ def test_a_fairserve_calls_interaction_reaches_the_plugin_through_the_bridge():
     assert (m.interaction_id, m.app, m.stage, m.system_len, m.oit_checked) == (
         "i-1", "agent", 2, 1, True)  # fmt: skip
     garbage = make_req([7, 8, 9], "u", rid="g")
-    garbage.sampling_params = SamplingParams(max_new_tokens=4, custom_params={CALL_PARAM: {
-        "interaction": 5, "app": "x" * 300, "stage": -1, "system_len": "2", "oit_checked": 1}})
+    garbage.sampling_params = SamplingParams(
+        max_new_tokens=4,
+        custom_params={
+            CALL_PARAM: {
+                "interaction": 5,
+                "app": "x" * 300,
+                "stage": -1,
+                "system_len": "2",
+                "oit_checked": 1,
+            }
+        },
+    )
     m = mirror_of(garbage, 0.0)
     assert (m.interaction_id, m.app, m.stage, m.system_len, m.oit_checked) == (
         None, None, 0, None, False)  # fmt: skip
