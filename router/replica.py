@@ -49,6 +49,7 @@ class ReplicaRouter(Router):
         self.shared = shared
         self.state = ReplicaState(replica)
         self.last_tag: tuple[int, int] | None = None
+        self._report_seen: dict[int, float] = {}  # worker -> when (router clock) last taken
         self._on_peer_service = (
             policy.on_peer_service if isinstance(policy, PeerServiceAware) else None
         )
@@ -78,14 +79,20 @@ class ReplicaRouter(Router):
             if msg.worker not in self.workers:
                 return
             peers = self.state.report(msg.worker, msg.t_s, msg.service)
+            self._report_seen[msg.worker] = now
             if self.oit is not None and msg.service.interactions:
                 self.oit.under_way(msg.service.interactions, now)
             if self._on_peer_service is not None:
                 for client, extend, output in peers:
                     self._on_peer_service(msg.worker, client, extend, output, self)
 
+    def report_seen(self, worker: int) -> float | None:
+        """When (the router's clock) this replica last took ``worker``'s service report."""
+        return self._report_seen.get(worker)
+
     def remove_worker(self, worker: int) -> list[str]:
         self.state.worker_removed(worker)
+        self._report_seen.pop(worker, None)
         return super().remove_worker(worker)
 
     def add_worker(self, worker: int) -> None:

@@ -172,6 +172,11 @@ class ReplicaState:
         view = self._workers.get(worker)
         return None if view is None or view.t_s == float("-inf") else view.t_s
 
+    def num_rows(self, worker: int) -> int:
+        """The other replicas' rows held for ``worker``."""
+        view = self._workers.get(worker)
+        return len(view.rows) if view is not None else 0
+
     def has_baseline(self, worker: int) -> bool:
         view = self._workers.get(worker)
         return view is not None and view.boot is not None

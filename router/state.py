@@ -24,6 +24,7 @@ from sgl_fair.router.replica import ReplicaRouter
 from sgl_fair.router.router import Router
 from sgl_fair.router.service import RouterService
 from sgl_fair.router.telemetry import Telemetry
+from sgl_fair.router.telemetry_replicas import ReplicaCollector
 from sgl_fair.router.tokenizer import Tokenizer
 from sgl_fair.transport import Endpoints
 
@@ -92,6 +93,7 @@ class ServerState:
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
             kv_endpoints=kv_endpoints,
         )
+        telemetry.registry.register(ReplicaCollector(service))  # the replica layer, at scrape
         limiters = {}
         if tenants is not None:
             for t in tenants.tenants:

@@ -91,6 +91,18 @@ def test_a_victim_through_one_replica_is_served_ahead_of_a_flood_through_the_oth
     # behind the flood's queue (FCFS) the victim would wait for its third wave (~ the flood's
     # last); the fair workers admit it in the first free slot
     assert max(victim) < 0.6 * median, (victim, median)
+    # the replica layer on /metrics: each holds the other's rows, fresh, none refused
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "router"))
+    from live_helpers import metric
+
+    for url in (a, b):
+        text = httpx.get(url + "/metrics", timeout=10).text
+        assert metric(text, "sgl_fair_replica_reports_total") > 0, text
+        assert metric(text, "sgl_fair_replica_reports_baseline_total") >= 2  # one per worker
+        assert metric(text, "sgl_fair_replica_reports_refused_total") == 0
+        assert metric(text, "sgl_fair_replica_rows") >= 1  # the other replica's client
+        for w in ("0", "1"):
+            assert 0 <= metric(text, "sgl_fair_replica_view_age_seconds", worker=w) < 2.0
 
 
 def test_a_worker_added_and_drained_at_run_time(replicas):

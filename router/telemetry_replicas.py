@@ -1,0 +1,72 @@
+"""The replica layer on ``/metrics`` (issue 40, item 6), read at scrape time: nothing is
+counted on the hot path twice.
+
+Per router (``sgl_fair_replica_*``; a plain router reports zeros):
+
+* ``reports_total``, ``reports_stale_total``, ``reports_refused_total``,
+  ``reports_baseline_total``: workers' service reports taken, ignored as older than the last,
+  refused (a row that went back: nothing taken) and taken as a baseline (the first snapshot
+  of a worker boot, charged to nobody);
+* ``rows{worker}``: the other replicas' (replica, client) rows this replica holds per worker;
+* ``view_age_seconds{worker}``: how old the last report taken from each worker is, on this
+  router's clock — the staleness of the second term of ``docs/replicas.md``'s view, which
+  the bound's ``τ = p + 2δ`` assumes stays near one report period;
+* ``peer_requests{worker}``: the other replicas' requests on each worker at its last report.
+
+Per worker, for every router: ``sgl_fair_worker_kv_event_gaps_total{worker}`` — KV-event
+batches the router never received (a gap in the publisher's sequence numbers): each leaves
+the global tree missing what the lost events stored or removed, until the next events of
+those pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class ReplicaCollector:
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def describe(self) -> list:
+        return []  # collected at scrape time only (no names registered up front)
+
+    def collect(self) -> Iterator[Any]:
+        p = "sgl_fair_replica_"
+        router = self.service.router
+        state = getattr(router, "state", None)  # a ReplicaRouter's; None for a plain Router
+        counts = {  # name: (the ReplicaState count, help)
+            "reports": ("num_reports", "Workers' service reports taken"),
+            "reports_stale": ("num_stale_reports", "Reports ignored: older than the last"),
+            "reports_refused": ("num_refused_reports", "Reports refused: a row went back"),
+            "reports_baseline": ("num_baselines", "Reports taken as a worker boot's baseline"),
+        }
+        for name, (attr, doc) in counts.items():
+            c = CounterMetricFamily(p + name, doc)
+            c.add_metric([], getattr(state, attr, 0) if state is not None else 0)
+            yield c
+        rows = GaugeMetricFamily(p + "rows", "Other replicas' service rows held", labels=["worker"])
+        age = GaugeMetricFamily(
+            p + "view_age_seconds", "Age of the last service report taken", labels=["worker"]
+        )
+        peers = GaugeMetricFamily(
+            p + "peer_requests", "Other replicas' requests at the last report", labels=["worker"]
+        )
+        gaps = CounterMetricFamily(
+            "sgl_fair_worker_kv_event_gaps", "KV-event batches never received", labels=["worker"]
+        )
+        now = self.service.clock()  # the clock the router took its reports by
+        for wid, w in sorted(self.service.workers.items()):
+            label = [str(wid)]
+            gaps.add_metric(label, w.kv_gaps)
+            if state is None:
+                continue
+            rows.add_metric(label, state.num_rows(wid))
+            peers.add_metric(label, state.peer_requests(wid))
+            seen = router.report_seen(wid)
+            if seen is not None:
+                age.add_metric(label, max(0.0, now - seen))
+        yield from (rows, age, peers, gaps)
