@@ -347,8 +347,14 @@ class ActiveClients:
 def group_by_client(waiting: Sequence[Request]) -> dict[ClientId, list[Request]]:
     """Waiting requests per client, each list in the scheduler's (arrival) order."""
     groups: dict[ClientId, list[Request]] = {}
-    for req in waiting:
-        groups.setdefault(req.client, []).append(req)
+    get = groups.get
+    for req in waiting:  # on every admission pass: no list made per request
+        client = req.client
+        group = get(client)
+        if group is None:
+            groups[client] = [req]
+        else:
+            group.append(req)
     return groups
 
 

@@ -105,6 +105,11 @@ class Ledger:
         """SGLang's request behind a mirror this ledger holds."""
         return self._req_of[id(m)]
 
+    @property
+    def reqs_by_mirror_id(self) -> dict[int, Req]:
+        """id(mirror) -> SGLang's request, for lookups in C (``map``) on a pass's path."""
+        return self._req_of
+
     def mirror(self, req: Req) -> Request | None:
         return self._by_id.get(id(req))  # this very Req's mirror (its id is ours while held)
 
@@ -200,18 +205,22 @@ class Ledger:
 
     def reconcile_waiting(self, waiting_queue: Sequence[Req]) -> None:
         """Requests that left the queue without being admitted (aborted, timed out, pushed out
-        by the queue limit) leave the policy too; queued requests it never saw arrive now."""
+        by the queue limit) leave the policy too; queued requests it never saw arrive now.
+        Set operations over identities (in C): a pass pays per request that changed, not
+        per request queued."""
         self.dirty = False
-        queued = set(map(id, waiting_queue))
         by_id = self._by_id
+        queued = set(map(id, waiting_queue))
         waiting = Phase.WAITING
-        gone = [m for i, m in by_id.items() if i not in queued and m.phase is waiting]
         req_of = self._req_of
-        for m in gone:
-            self.aborted(req_of[id(m)], reason="left the waiting queue")
-        for r in waiting_queue:
-            if id(r) not in by_id:
-                self.arrived(r)  # a refusal here is ignored: SGLang already queued it
+        for i in by_id.keys() - queued:  # the running ones, and any that left the queue
+            m = by_id[i]
+            if m.phase is waiting:
+                self.aborted(req_of[id(m)], reason="left the waiting queue")
+        if not queued <= by_id.keys():  # some it never saw: in the queue's order
+            for r in waiting_queue:
+                if id(r) not in by_id:
+                    self.arrived(r)  # a refusal here is ignored: SGLang already queued it
 
     def _pop(self, req: Req) -> Request | None:
         m = self._by_id.pop(id(req), None)
@@ -329,10 +338,12 @@ class FairSchedulePolicy(SchedulePolicy):
         if not waiting_queue:
             return
         held = ledger.mirrors_of(waiting_queue)
-        mirrors = sorted((m for m in held if m is not None), key=_arrival)
-        # Requests the ledger does not hold (its policy refused them after SGLang queued
-        # them): never ordered, they wait behind the rest, in SGLang's order.
-        strangers = [r for r, m in zip(waiting_queue, held, strict=True) if m is None]
+        strangers: list[Req] = []
+        if None in held:  # requests the ledger does not hold (its policy refused them after
+            # SGLang queued them): never ordered, they wait behind the rest, in SGLang's order
+            strangers = [r for r, m in zip(waiting_queue, held, strict=True) if m is None]
+            held = [m for m in held if m is not None]
+        mirrors = sorted(held, key=_arrival)  # nearly sorted already: linear
         running = [
             m
             for r in (running_batch.reqs if running_batch is not None else ())
@@ -345,7 +356,8 @@ class FairSchedulePolicy(SchedulePolicy):
         self._walk = self.fair.order(mirrors, _View(self, running))
         self.num_walks += 1
         # Until the walk picks them, the rest wait in arrival order.
-        waiting_queue[:] = [*map(ledger.req_of, mirrors), *strangers]
+        waiting_queue[:] = [*map(ledger.reqs_by_mirror_id.__getitem__, map(id, mirrors)),
+                            *strangers]  # fmt: skip
         self._pos = 0
         self._expect = None
         self._place_next(0)
