@@ -41,7 +41,9 @@ class _WorkerView:
     boot: int | None = None  # the boot of its baseline snapshot; None: none taken yet
     t_s: float = float("-inf")  # the last report's time (the worker's clock)
     rows: dict[tuple[int, ClientId], tuple[int, int, int]] = field(default_factory=dict)
-    peers: dict[ClientId, list[int]] = field(default_factory=dict)  # rows summed per client
+    # per client: every other replica's row it saw, summed — forgotten rows included, so the
+    # view is the client's whole service on the worker however its rows come and go
+    peers: dict[ClientId, list[int]] = field(default_factory=dict)
     peer_requests: int = 0  # from the last report
 
 
@@ -118,17 +120,13 @@ class ReplicaState:
                 delta = new.setdefault(c, [0, 0])
                 delta[0] += e - e0
                 delta[1] += o - o0
-        listed = {(r, c) for r, c, *_ in report.rows}
         for r, c, e, o, b in report.rows:
             if r != me:
-                old = view.rows.get((r, c))
-                if old is not None and old[2] != b:  # the old row's totals leave the sum
-                    self._add(view, c, -old[0], -old[1])
                 view.rows[(r, c)] = (e, o, b)
-        if report.full:  # rows not listed were forgotten there: their totals leave the view
+        if report.full:  # rows not listed were forgotten there (idle): so are they here,
+            listed = {(r, c) for r, c, *_ in report.rows}  # their totals stay in the sums
             for key in [k for k in view.rows if k not in listed]:
-                e, o, _ = view.rows.pop(key)
-                self._add(view, key[1], -e, -o)
+                del view.rows[key]
         peers: list[tuple[ClientId, int, int]] = []
         for c, (e, o) in sorted(new.items()):
             self._add(view, c, e, o)
@@ -147,8 +145,6 @@ class ReplicaState:
         totals = view.peers.setdefault(client, [0, 0])
         totals[0] += extend
         totals[1] += output
-        if totals == [0, 0]:
-            del view.peers[client]
 
     # ---- the view ---------------------------------------------------------------------------
 

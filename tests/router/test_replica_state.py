@@ -113,19 +113,20 @@ def test_a_new_boot_or_a_rejoined_worker_starts_from_a_baseline():
     assert s.report(0, 6.0, _report([(1, "a", 9, 0)], boot=BOOT + 1)) == [("a", 2, 0)]
 
 
-def test_a_forgotten_row_leaves_the_view_and_comes_back_whole():
+def test_a_forgotten_row_leaves_the_rows_not_the_view_and_comes_back_whole():
     s = ReplicaState(0)
     _base(s, 0)
     assert s.report(0, 1.0, _report([(1, "a", 50, 5, 1), (1, "b", 7, 0, 2)])) == [
         ("a", 50, 5), ("b", 7, 0)]  # fmt: skip
-    assert s.report(0, 2.0, _report([(1, "b", 7, 0, 2)])) == []  # a forgotten, idle
-    assert s.service(0, "a") == (0, 0) and s.service(0, "b") == (7, 0)
+    assert s.report(0, 2.0, _report([(1, "b", 7, 0, 2)])) == []  # a forgotten there, idle
+    assert s.num_rows(0) == 1  # forgotten here too (bounded) ...
+    assert s.service(0, "a") == (50, 5)  # ... its service stays in the view
     # a comes back: a new row (born 3), all of it new
     assert s.report(0, 3.0, _report([(1, "a", 8, 0, 3)], full=False)) == [("a", 8, 0)]
-    assert s.service(0, "a") == (8, 0)
-    # born again between two reports this replica saw: the old row's totals leave the sum
+    assert s.service(0, "a") == (58, 5)
+    # born again between two reports this replica saw: all of the new row is new too
     assert s.report(0, 4.0, _report([(1, "a", 2, 0, 4)], full=False)) == [("a", 2, 0)]
-    assert s.service(0, "a") == (2, 0)
+    assert s.service(0, "a") == (60, 5)
 
 
 def test_the_ledger_keeps_a_row_per_replica_and_client():
