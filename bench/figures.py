@@ -59,6 +59,20 @@ _FS = "fairserve-apps-20*.json"
 _TPOT_GAIN = _GAIN.replace("rt_ttft", "rt_tpot_token")
 
 
+_REP = "d2lpm-replicas-quick-*.json"
+_LEDGER = "replica-ledger-*-after.json"
+
+
+def _rep(scenario: str, setup: str, replicas: int, period: float | None) -> str:
+    period_s = "None" if period is None else period
+    return (f"rows[scenario={scenario},setup={setup},replicas={replicas},"
+            f"report_period_s={period_s}].served_tok_s")  # fmt: skip
+
+
+def _ledger(clients: int, field: str) -> str:
+    return f"rows[clients_seen={clients}].{field}"
+
+
 def _fs(policy: str, field: str) -> str:
     return f"rows[scenario=paper,policy={policy}].{field}"
 
@@ -149,6 +163,21 @@ FIGURES: list[Figure] = [
            target=(">=", 100.0)),
     Figure("sim-speed-max", "… fastest policy", "sim-speed-*.json", "max_speedup",
            fmt="{:.0f}", unit="× real time"),
+    Figure("replicas-s2-r4", "d2lpm-replicas --quick, S2, R = 4, 100 ms reports: served ÷ one "
+           "router", _REP, (_rep("s2", "shared", 4, 0.1), _rep("s2", "one router", 1, None)),
+           fmt="{:.3f}", unit="×", claim="ToT-S2: R = 4, 100 ms reports: throughput"),
+    Figure("replicas-s2-r4-indep", "… R = 4 independent replicas: served ÷ one router", _REP,
+           (_rep("s2", "independent", 4, None), _rep("s2", "one router", 1, None)),
+           fmt="{:.3f}", unit="×"),
+    Figure("ledger-bytes", "Replica ledger, 100,000 one-shot clients, R = 4: mean bytes per "
+           "report (rows)", _LEDGER, _ledger(100000, "mean_bytes_last_10"), fmt="{:,.0f}",
+           unit=" B"),
+    Figure("ledger-bytes-flat", "… mean bytes per report at 100,000 ÷ at 10,000 clients",
+           _LEDGER, (_ledger(100000, "mean_bytes_last_10"), _ledger(10000, "mean_bytes_last_10")),
+           unit="×", target=("<=", 1.5)),
+    Figure("ledger-bytes-before", "… before, totals per client (2026-11-27's ledger)",
+           "replica-ledger-*-before.json", _ledger(100000, "mean_bytes_last_10"),
+           fmt="{:,.0f}", unit=" B"),
 ]  # fmt: skip
 
 STORED: dict[str, dict[str, str]] = {
@@ -161,6 +190,8 @@ STORED: dict[str, dict[str, str]] = {
     },
     "sglang-live-admission-2026-11-28-after.json": {"commit": "2f08347 (dirty)", "machine": EPYC},
     "bros-bicache-2026-11-27.json": {"commit": "c353086 (stored)", "machine": EPYC},
+    "replica-ledger-2026-11-29-after.json": {"commit": "37290c5", "machine": EPYC},
+    "replica-ledger-2026-11-29-before.json": {"commit": "08cd15f", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [

@@ -19,6 +19,7 @@ import bench_live  # noqa: E402
 import bench_live_cell  # noqa: E402
 import bench_liveness  # noqa: E402
 import bench_policy_step  # noqa: E402
+import bench_replica_ledger  # noqa: E402
 import bench_router  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
 import bench_sglang_live  # noqa: E402
@@ -57,6 +58,7 @@ def main() -> None:
         "fairserve": bench_fairserve.main([]),
         "router": bench_router.main(),
         "kv_decoder": bench_kv_decoder.main([]),
+        "replica_ledger": bench_replica_ledger.main([]),
         "cluster_quality": bench_cluster_quality.main([]),
         "live": bench_live.main(),
         "live_cell": bench_live_cell.main([]),
