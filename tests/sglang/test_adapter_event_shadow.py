@@ -167,3 +167,46 @@ def test_a_shadow_out_of_step_is_rebuilt_from_the_decoders_pages():
     assert shadow.num_rebuilds == 1 and not shadow.dirty and shadow.total_tokens == 5
     r = make_req([1, 2, 9, 7], "c")
     assert shadow.prefix_len(r, tuple(r.origin_input_ids)) == 3
+
+
+def test_the_drain_runs_after_a_batch_result_not_in_the_admission_pass():
+    """Issue 39: the KV events a batch result makes are applied in the batch-result hook
+    (``after_batch``), off the admission step; the pass that follows applies none. SGLang's
+    publisher still receives every event once, in order; a failing drain raises nothing."""
+    import types
+
+    from sgl_fair.policies import make_policy
+    from sgl_fair.worker.sglang.adapter import FairSchedulePolicy
+
+    cache = unified_cache()
+    recorded, take = [], cache.take_events
+
+    def spy() -> list:
+        out = take()
+        recorded.extend(out)
+        return out
+
+    cache.take_events = spy
+    fair = FairSchedulePolicy(make_policy("dlpm"), cache)
+    shadow = fair.shadow
+    assert isinstance(shadow, EventShadow)
+    applied: list[int] = []
+    sync = shadow.sync
+    shadow.sync = lambda: applied.append(sync()) or applied[-1]  # type: ignore[method-assign]
+    insert(cache, [5, 6, 7, 8, 9])  # what a batch result caches
+    fair.after_batch(types.SimpleNamespace(reqs=[]))
+    assert len(applied) == 1 and applied[0] > 0  # its events, drained there
+    shadow.begin_pass([])
+    assert applied[1:] == [0] and not shadow.dirty  # the pass found nothing left to apply
+    req = make_req([5, 6, 7, 8, 9, 1], "c")
+    assert shadow.prefix_len(req, tuple(req.origin_input_ids)) == 5
+    published = cache.take_events()  # SGLang's publisher: every event, once
+    assert published == recorded and len(published) == applied[0]
+    assert cache.take_events() == []
+
+    def broken() -> list:
+        raise RuntimeError("boom")
+
+    shadow._take = broken
+    fair.after_batch(types.SimpleNamespace(reqs=[]))  # raises nothing into SGLang
+    assert shadow.dirty

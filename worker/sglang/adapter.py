@@ -54,6 +54,7 @@ from sgl_fair.worker.sglang import shadow as shadow_mod
 from sgl_fair.worker.sglang import shadow_events
 from sgl_fair.worker.sglang.hook_errors import HookErrors
 from sgl_fair.worker.sglang.mirror import mirror_of
+from sgl_fair.worker.sglang.profile import record_drain
 
 log = logging.getLogger("sgl_fair.sglang")
 
@@ -407,6 +408,11 @@ class FairSchedulePolicy(SchedulePolicy):
     def after_batch(self, batch: Any) -> None:
         for req in batch.reqs:
             self.ledger.after_step(req)
+        if self.shadow is not None:  # the KV events this result made, off the admission step
+            t0 = time.perf_counter()
+            n = self.shadow.drain()
+            if n:
+                record_drain(time.perf_counter() - t0, n)
 
     def after_retract(self, retracted: Sequence[Req], aborted: Sequence[Req]) -> None:
         for req in retracted:

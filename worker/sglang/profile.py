@@ -8,6 +8,11 @@ requests waiting to ``FILE`` (with ``.<pid>`` appended, one file per scheduler p
 
     {"waiting": 1000, "running": 8, "admitted": 3, "s": 0.0042}
 
+and, where the plugin's shadow follows KV events, one line per batch result whose drain
+applied events (``record_drain``, off the admission step)::
+
+    {"drain": 12, "s": 0.0003}
+
 It works with the plugin off too (``SGLFAIR_SCHEDULE_POLICY`` unset), so SGLang's own
 policy is measured in the same loop: ``bench/bench_sglang_live.py`` compares the two.
 A call that returns before ordering the queue (no room for another request) records
@@ -51,6 +56,13 @@ def _file() -> IO[str]:
     if _out is None:
         _out = open(f"{_path}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115 - the process's
     return _out
+
+
+def record_drain(elapsed_s: float, events: int) -> None:
+    """The plugin's KV-event drain after a batch result (``EventShadow.drain``), when
+    profiling: one line ``{"drain": events, "s": ...}``; nothing otherwise."""
+    if _path is not None:
+        _file().write(json.dumps({"drain": events, "s": round(elapsed_s, 7)}) + "\n")
 
 
 def _around_prefill_batch(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:

@@ -208,6 +208,11 @@ class ShadowCache:
 
     # ---- matching -----------------------------------------------------------------------------
 
+    def drain(self) -> int:
+        """After a batch result: apply what changed since (the recorder applies SGLang's
+        inserts and evictions as they happen: nothing to apply); the events applied."""
+        return 0
+
     def begin_pass(self, waiting_queue: Any) -> None:
         """Before an admission pass: self-check (rebuild if needed), forget departed requests."""
         if not self.in_sync():

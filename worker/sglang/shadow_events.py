@@ -82,13 +82,29 @@ class EventShadow(ShadowCache):
         self.trees = {}
         self._memo.clear()
 
-    def sync(self) -> None:
-        """Apply the events recorded since the last call."""
+    def sync(self) -> int:
+        """Apply the events recorded since the last call; how many."""
         events = list(self._take() or ())
         if not events:
-            return
+            return 0
         self._kept.extend(events)
         self._guard(self._apply, events)
+        return len(events)
+
+    def drain(self) -> int:
+        """After a batch result (where SGLang caches what its requests computed): apply the
+        events now, so the admission pass that follows finds few or none to apply — under
+        SGLang's overlap schedule this runs while the GPU runs the next batch. Never raises
+        into SGLang's scheduler (a failure leaves the shadow dirty: exact matches)."""
+        if not self._following:
+            return 0
+        try:
+            return self.sync()
+        except Exception:  # noqa: BLE001
+            if not self.dirty:
+                log.exception("sgl-fair: event shadow failed; exact matches")
+            self.dirty = True
+            return 0
 
     def _apply(self, events: list) -> None:
         if any(getattr(e, "lora_id", None) is not None or getattr(e, "cache_salt", None)
