@@ -44,7 +44,9 @@ class WorkerState:
     death: str | None = None
     process: Any = None  # multiprocessing.Process when the launcher started it
     kv_seq: int = -1
-    kv_gaps: int = 0
+    kv_gaps: int = 0  # KV-event batches lost (not replayed)
+    kv_replay: str | None = None  # its publisher's replay endpoint, if it keeps one
+    kv_replayed: int = 0  # KV-event batches missed, then replayed from the publisher
     decoder: kv_decoder.KVEventDecoder = field(default_factory=kv_decoder.KVEventDecoder)
     num_restarts: int = 0  # processes the launcher started again after this one exited
     restart_at: float | None = None  # when the next restart is due (backoff)

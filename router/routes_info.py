@@ -82,6 +82,7 @@ def server_info_dict(state: ServerState) -> dict[str, Any]:
                 "num_retractions": load.num_retractions if load else None,
                 "kv_capacity_tokens": w.kv_capacity_tokens,
                 "kv_event_gaps": w.kv_gaps,
+                "kv_events_replayed": w.kv_replayed,
                 "kv_orphans": w.decoder.num_orphans,
                 "tree_tokens": held.get(w.wid, 0),
                 "kv_events": router.stats[w.wid].num_kv_events,

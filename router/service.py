@@ -49,6 +49,7 @@ from sgl_fair.messages import (
     Tokens,
 )
 from sgl_fair.request import Request
+from sgl_fair.router.kv_replay import replay
 from sgl_fair.router.liveness import NoWorkerError, WorkerLiveness, WorkerState
 from sgl_fair.router.oit import refusal
 from sgl_fair.router.protocol.scheduling import throttle_of
@@ -105,6 +106,7 @@ class RouterService(WorkerLiveness):
         heartbeat_timeout_s: float = 10.0,
         max_attempts: int = 3,
         kv_endpoints: list[str] | None = None,
+        kv_replay_endpoints: list[str | None] | None = None,
         restarter: Callable[[int], Any] | None = None,
         restart_backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.time,
@@ -120,11 +122,14 @@ class RouterService(WorkerLiveness):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_attempts = max_attempts
         self.kv_endpoints = kv_endpoints or [endpoints.worker_kv(i) for i in range(num_workers)]
+        self.kv_replay_endpoints = list(kv_replay_endpoints or ())
         self.clock = clock
         self.restarter = restarter
         self.restart_backoff_s = restart_backoff_s
         self.calls: dict[str, Call] = {}
         self.workers = {i: WorkerState(i) for i in range(num_workers)}
+        for i, endpoint in enumerate(self.kv_replay_endpoints[:num_workers]):
+            self.workers[i].kv_replay = endpoint
         self.ready = asyncio.Event()  # every worker said Hello
         self.hello_event = asyncio.Event()  # some worker said Hello (wait_ready's wake-up)
         self.closing = False
@@ -433,11 +438,28 @@ class RouterService(WorkerLiveness):
             except ValueError as e:
                 log.error("worker %d: bad KV event frame: %s", wid, e)
                 continue
-            if w.kv_seq >= 0 and seq != w.kv_seq + 1:
-                w.kv_gaps += 1
-                log.warning("worker %d: KV events %d..%d lost", wid, w.kv_seq + 1, seq - 1)
+            if seq != w.kv_seq + 1 and (w.kv_seq >= 0 or w.kv_replay is not None):
+                await self._kv_gap(w, seq)  # a late router's first batch: its history, if kept
             w.kv_seq = seq
             self._apply_kv(w, batch)
+
+    async def _kv_gap(self, w: WorkerState, seq: int) -> None:
+        """Batches ``w.kv_seq + 1 .. seq - 1`` never came: replay them from the publisher's
+        buffer where it has one (``router/kv_replay.py``), else count the gap."""
+        start = w.kv_seq + 1
+        got = None
+        if w.kv_replay is not None:
+            got = await replay(self.actx, w.kv_replay, start, seq)
+        if got is not None and [s for s, _ in got] == list(range(start, seq)):
+            for s, payload in got:
+                w.kv_seq = s
+                self._apply_kv(w, kv_events.decode_batch(payload))
+            w.kv_replayed += len(got)
+            return
+        if w.kv_seq >= 0:  # a late router without the whole history starts from here
+            w.kv_gaps += 1
+            log.warning("worker %d: KV events %d..%d lost%s", w.wid, start, seq - 1,
+                        "" if w.kv_replay is None else " (not in the replay buffer)")  # fmt: skip
 
     def _apply_kv(self, w: WorkerState, batch: kv_events.KVEventBatch) -> None:
         try:

@@ -66,6 +66,7 @@ class ServerState:
         kv_capacity_tokens: int,
         context_len: int,
         kv_endpoints: list[str] | None = None,
+        kv_replay_endpoints: list[str | None] | None = None,
         worker_urls: list[str] | None = None,
         follow_kv_events: bool = True,
         features: P.EngineFeatures = P.NO_PASSTHROUGH,
@@ -92,6 +93,7 @@ class ServerState:
             telemetry=telemetry,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
             kv_endpoints=kv_endpoints,
+            kv_replay_endpoints=kv_replay_endpoints,
         )
         telemetry.registry.register(ReplicaCollector(service))  # the replica layer, at scrape
         limiters = {}

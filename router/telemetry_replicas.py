@@ -14,9 +14,10 @@ Per router (``sgl_fair_replica_*``; a plain router reports zeros):
 * ``peer_requests{worker}``: the other replicas' requests on each worker at its last report.
 
 Per worker, for every router: ``sgl_fair_worker_kv_event_gaps_total{worker}`` — KV-event
-batches the router never received (a gap in the publisher's sequence numbers): each leaves
-the global tree missing what the lost events stored or removed, until the next events of
-those pages.
+batches the router never received (a gap in the publisher's sequence numbers) and could not
+replay: each leaves the global tree missing what the lost events stored or removed, until
+the next events of those pages; ``sgl_fair_worker_kv_event_replayed_total{worker}`` — the
+missed batches it replayed from the publisher's buffer (``router/kv_replay.py``).
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ class ReplicaCollector:
             p + "peer_requests", "Other replicas' requests at the last report", labels=["worker"]
         )
         gaps = CounterMetricFamily(
-            "sgl_fair_worker_kv_event_gaps", "KV-event batches never received", labels=["worker"]
-        )
+            "sgl_fair_worker_kv_event_gaps", "KV-event batches lost (not replayed)",
+            labels=["worker"],
+        )  # fmt: skip
+        replayed = CounterMetricFamily(
+            "sgl_fair_worker_kv_event_replayed", "KV-event batches missed, then replayed",
+            labels=["worker"],
+        )  # fmt: skip
         now = self.service.clock()  # the clock the router took its reports by
         for wid, w in sorted(self.service.workers.items()):
             label = [str(wid)]
             gaps.add_metric(label, w.kv_gaps)
+            replayed.add_metric(label, w.kv_replayed)
             if state is None:
                 continue
             rows.add_metric(label, state.num_rows(wid))
@@ -69,4 +76,4 @@ class ReplicaCollector:
             seen = router.report_seen(wid)
             if seen is not None:
                 age.add_metric(label, max(0.0, now - seen))
-        yield from (rows, age, peers, gaps)
+        yield from (rows, age, peers, gaps, replayed)

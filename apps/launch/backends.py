@@ -218,7 +218,7 @@ class SGLangBackend(Backend):
         given)."""
         urls, kv = a.worker_url, a.worker_kv_endpoint
         if not urls:
-            if kv:
+            if kv or a.worker_kv_replay_endpoint:
                 bad("--worker-kv-endpoint needs --worker-url (the servers it belongs to)")
             policy = a.schedule_policy
             if policy in policy_names() and batch_selecting(policy_class(policy)):
@@ -245,6 +245,15 @@ class SGLangBackend(Backend):
         for ep in kv:
             if not ep.startswith(("tcp://", "ipc://")):
                 bad(f"--worker-kv-endpoint {ep!r} is not a zmq tcp:// or ipc:// endpoint")
+        replay = a.worker_kv_replay_endpoint
+        if replay and len(replay) != len(kv):
+            bad(
+                f"--worker-kv-replay-endpoint given {len(replay)} times for {len(kv)} "
+                "--worker-kv-endpoint; give one per KV endpoint, in the same order, or none"
+            )
+        for ep in replay:
+            if not ep.startswith(("tcp://", "ipc://")):
+                bad(f"--worker-kv-replay-endpoint {ep!r} is not a zmq tcp:// or ipc:// endpoint")
         if passthrough:
             bad(
                 f"{' '.join(passthrough)}: unknown flags go to the SGLang servers the launcher "

@@ -73,6 +73,7 @@ class LaunchConfig:
     # --backend sglang
     worker_urls: tuple[str, ...] = ()  # servers already running (else the launcher starts dp)
     worker_kv_endpoints: tuple[str, ...] = ()
+    worker_kv_replay_endpoints: tuple[str, ...] = ()  # each --worker-url's KV replay, if any
     sglang_args: tuple[str, ...] = ()  # passed through to every server the launcher starts
     worker_api_key: str | None = None  # the servers' --api-key (Bearer on every bridge call)
     health_check_interval_s: float = 5.0
@@ -308,6 +309,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         min_ready_workers=a.min_ready_workers,
         worker_urls=tuple(u.rstrip("/") for u in a.worker_url),
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),
+        worker_kv_replay_endpoints=tuple(a.worker_kv_replay_endpoint),
         worker_api_key=worker_api_key,
         sglang_args=backend.server_args(a, passthrough),
         health_check_interval_s=a.health_check_interval,

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tcp://host:5557); without it the router guesses the caches from what it routed",
     )  # fmt: skip
     p.add_argument(
+        "--worker-kv-replay-endpoint", action="append", default=[], metavar="EP",
+        help="sglang: the replay endpoint of each --worker-kv-endpoint, in order (its "
+        "--kv-events-config's replay_endpoint): the router asks it for KV-event batches it "
+        "missed (servers the launcher starts get one)",
+    )  # fmt: skip
+    p.add_argument(
         "--worker-api-key", default=None, metavar="KEY",
         help="sglang: the SGLang servers' --api-key: the bridges send it as a Bearer token on "
         "every call, and servers the launcher starts get it (default: env "

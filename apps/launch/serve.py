@@ -72,6 +72,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         kv_capacity_tokens=kv_cap,
         context_len=context_len,
         kv_endpoints=workers.kv_endpoints,
+        kv_replay_endpoints=workers.kv_replay_endpoints,
         worker_urls=workers.urls,
         follow_kv_events=workers.follow_kv_events,
         features=backend.features,

@@ -35,10 +35,13 @@ class SGLangWorkers(Workers):
         self.servers: ServerGroup | None = None
         self.urls = list(cfg.worker_urls)
         self.kv_endpoints = list(cfg.worker_kv_endpoints) or None
+        self.kv_replay_endpoints = list(cfg.worker_kv_replay_endpoints) or None
         if not self.urls:
             self.servers = sglang_servers(cfg, tenants)
             self.urls = [server_url(s.argv) for s in self.servers.servers]
             self.kv_endpoints = [server_kv_endpoint(s.argv) for s in self.servers.servers]
+            self.kv_replay_endpoints = [server_kv_replay(s.argv) for s in self.servers.servers]
+            self.kv_replay_endpoints = [server_kv_replay(s.argv) for s in self.servers.servers]
         if self.kv_endpoints is None:
             log.warning("no --worker-kv-endpoint: the router tracks the servers' caches by guess")
         self.follow_kv_events = self.kv_endpoints is not None
@@ -101,11 +104,13 @@ class SharedServers:
         self.servers: ServerGroup | None = None
         self.urls = list(cfg.worker_urls)
         self.kv_endpoints = list(cfg.worker_kv_endpoints)
+        self.kv_replay_endpoints = list(cfg.worker_kv_replay_endpoints)
         if not self.urls:
             tenants = load_tenants(cfg.tenants) if cfg.tenants else None
             self.servers = sglang_servers(cfg, tenants, avoid=sorted(avoid))
             self.urls = [server_url(s.argv) for s in self.servers.servers]
             self.kv_endpoints = [server_kv_endpoint(s.argv) for s in self.servers.servers]
+            self.kv_replay_endpoints = [server_kv_replay(s.argv) for s in self.servers.servers]
 
     def start(self) -> None:
         if self.servers is not None:
@@ -118,6 +123,7 @@ class SharedServers:
             "backend": "sglang",
             "worker_urls": tuple(self.urls),
             "worker_kv_endpoints": tuple(self.kv_endpoints),
+            "worker_kv_replay_endpoints": tuple(e for e in self.kv_replay_endpoints if e),
         }
 
     def describe(self) -> str:
@@ -134,11 +140,13 @@ def sglang_server_command(
     port: int,
     kv_port: int,
     *,
+    replay_port: int | None = None,
     tenants: TenantTable | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command and environment of worker ``i``'s SGLang server: one data-parallel rank on
-    GPUs ``i*tp ..``, HTTP on loopback ``port``, its KV events published on ``kv_port``, our
+    GPUs ``i*tp ..``, HTTP on loopback ``port``, its KV events published on ``kv_port`` (and
+    their last 10,000 batches replayed on ``replay_port``: a router that missed some asks), our
     local policy switched on by the plugin's environment variables. Flags the launcher does not
     know come last, so they can override any of ours."""
     from sgl_fair.worker.sglang.settings import PluginSettings
@@ -151,6 +159,8 @@ def sglang_server_command(
         "bind": True,  # a concrete loopback address: bind it (the router connects)
         "topic": "",
     }
+    if replay_port is not None:
+        kv_events["replay_endpoint"] = f"tcp://127.0.0.1:{replay_port}"
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", cfg.model_path,
@@ -241,12 +251,13 @@ def sglang_servers(
 ) -> ServerGroup:
     """The ``cfg.dp`` SGLang servers to start, each with free ports and a log file."""
     log_dir = tempfile.mkdtemp(prefix="sgl-fair-sglang-")
-    ports = free_ports(2 * cfg.dp, avoid=(cfg.port, *avoid))
+    ports = free_ports(3 * cfg.dp, avoid=(cfg.port, *avoid))
     servers = []
     for i in range(cfg.dp):
         argv, env = sglang_server_command(
-            cfg, i, ports[2 * i], ports[2 * i + 1], tenants=tenants, environ=os.environ
-        )
+            cfg, i, ports[3 * i], ports[3 * i + 1], replay_port=ports[3 * i + 2],
+            tenants=tenants, environ=os.environ,
+        )  # fmt: skip
         servers.append(ServerProcess(i, argv, env, os.path.join(log_dir, f"server-{i}.log")))
     return ServerGroup(servers)
 
@@ -262,6 +273,12 @@ def server_url(argv: Sequence[str]) -> str:
 def server_kv_endpoint(argv: Sequence[str]) -> str:
     endpoint = json.loads(_flag(argv, "--kv-events-config"))["endpoint"]
     return endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
+
+
+def server_kv_replay(argv: Sequence[str]) -> str | None:
+    """The server's KV-event replay endpoint, if its ``--kv-events-config`` names one."""
+    endpoint = json.loads(_flag(argv, "--kv-events-config")).get("replay_endpoint")
+    return endpoint.replace("tcp://*:", "tcp://127.0.0.1:") if endpoint else None
 
 
 def startup_error(e: Exception, servers: ServerGroup | None) -> str:

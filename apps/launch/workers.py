@@ -86,6 +86,7 @@ class Workers:
 
     urls: list[str]  # each worker's engine server (shown in /server_info); [] for none
     kv_endpoints: list[str] | None  # where each publishes KV events; None: the ipc default
+    kv_replay_endpoints: list[str | None] | None  # where each replays missed KV events
     follow_kv_events: bool  # False: the router guesses the caches from what it routed
     local_workers: int | None = None  # on this host's ipc sockets (None: all dp of them)
 
@@ -93,6 +94,7 @@ class Workers:
         self.procs = ProcessGroup()
         self.urls = []
         self.kv_endpoints = None
+        self.kv_replay_endpoints = None
         self.follow_kv_events = True
 
     def start_servers(self) -> None:

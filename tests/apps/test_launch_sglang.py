@@ -24,6 +24,7 @@ from sgl_fair.launch import (
     sglang_servers,
 )
 from sgl_fair.launch.sglang import server_kv_endpoint as _kv_endpoint_of
+from sgl_fair.launch.sglang import server_kv_replay
 from sgl_fair.launch.sglang import server_url as _url_of
 from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess, WatchedWorker
 from sgl_fair.worker.sglang.settings import settings_from_env
@@ -114,7 +115,11 @@ def test_each_server_gets_its_own_ports_and_log(tmp_path, monkeypatch):
     group = sglang_servers(cfg, None)
     ports = [int(_flags(s.argv)["--port"]) for s in group.servers]
     kv_ports = [int(_kv_endpoint_of(s.argv).rsplit(":", 1)[1]) for s in group.servers]
-    assert len(set(ports + kv_ports)) == 6 and cfg.port not in ports + kv_ports
+    replays = [server_kv_replay(s.argv) for s in group.servers]  # the launcher's keep one
+    replay_ports = [int(r.rsplit(":", 1)[1]) for r in replays if r]
+    assert len(replay_ports) == 3 and all(r.startswith("tcp://127.0.0.1:") for r in replays)
+    every = ports + kv_ports + replay_ports
+    assert len(set(every)) == 9 and cfg.port not in every
     logs = [s.log_path for s in group.servers]
     assert len(set(logs)) == 3 and all(p.startswith(str(tmp_path)) for p in logs)
     assert group.first_exit() is None  # nothing started
@@ -167,6 +172,11 @@ def test_sim_is_unchanged():
         (["--backend", "sglang", "--model-path", "m", "--worker-kv-endpoint", "tcp://a:2"],
          "--worker-kv-endpoint needs --worker-url"),
         (["--backend", "sim", "--worker-url", "http://a:1"], "need --backend sglang"),
+        (["--worker-url", "http://a:1", "--worker-kv-endpoint", "tcp://a:2",
+          "--worker-kv-replay-endpoint", "tcp://a:3", "--worker-kv-replay-endpoint", "tcp://a:4"],
+         "--worker-kv-replay-endpoint given 2 times for 1 --worker-kv-endpoint"),
+        (["--worker-url", "http://a:1", "--worker-kv-endpoint", "tcp://a:2",
+          "--worker-kv-replay-endpoint", "a:3"], "is not a zmq tcp:// or ipc:// endpoint"),
         (["--worker-url", "http://a:1", "--health-check-timeout", "0"],
          "--health-check-timeout must be > 0"),
         (["--backend", "sglang", "--model-path", "m", "--schedule-policy", "rr"],
