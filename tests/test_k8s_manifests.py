@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml  # declared in the dev extra (pyproject.toml): never skipped
 
-yaml = pytest.importorskip("yaml")
-
-from sgl_fair.remote import make_keys, parse_tcp  # noqa: E402
+from sgl_fair.remote import make_keys, parse_tcp
 
 K8S = Path(__file__).resolve().parent.parent / "docs" / "k8s"
 
