@@ -258,7 +258,6 @@ def remote_worker_main(
     keys: ServerKeys | None = None,
     ready: Any = None,
     watch_parent: bool = False,
-    *,
     peer_timeout_s: float = 15 * ATTACH_PERIOD_S,
 ) -> None:
     """Process entry point: serve until SIGINT/SIGTERM. ``ready``: an Event set once bound;

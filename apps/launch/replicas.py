@@ -162,8 +162,14 @@ class StandaloneWorkers:
         from sgl_fair.worker.remote import remote_worker_main
 
         configs = worker_configs(self.cfg, self.endpoints)
+        # a worker forgets a silent replica only after the replica would call it dead
+        peer_timeout = max(15.0, self.cfg.heartbeat_timeout_s + 5.0)
         self.procs = [
-            _spawn(remote_worker_main, (wcfg, ep, None, None, True), f"sgl-fair-worker-{i}")
+            _spawn(
+                remote_worker_main,
+                (wcfg, ep, None, None, True, peer_timeout),
+                f"sgl-fair-worker-{i}",
+            )  # fmt: skip
             for i, (wcfg, ep) in enumerate(zip(configs, self.endpoints, strict=True))
         ]
 
