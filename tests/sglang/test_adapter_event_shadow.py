@@ -210,3 +210,25 @@ def test_the_drain_runs_after_a_batch_result_not_in_the_admission_pass():
     shadow._take = broken
     fair.after_batch(types.SimpleNamespace(reqs=[]))  # raises nothing into SGLang
     assert shadow.dirty
+
+
+def test_a_rebuild_that_fails_backs_off():
+    """A shadow that cannot get in step with SGLang's cache (its counts disagree after a
+    rebuild: events this shadow cannot see) matched exactly on every pass — and rebuilt on
+    every pass too (34.5 ms at a 15k-token cache, seconds at GPU sizes). Now the rebuilds
+    back off: 1, 2, 4, ... passes apart, the shadow dirty (exact matches) between them."""
+    cache = unified_cache()
+    shadow = EventShadow(cache)
+    insert(cache, [1, 2, 3, 4])
+    shadow.begin_pass([])
+    assert not shadow.dirty and shadow.num_rebuilds == 0
+    real = cache.evictable_size
+    cache.evictable_size = lambda: real() + 7  # a count the events never explain
+    for _ in range(200):
+        shadow.begin_pass([])
+        assert shadow.dirty
+    assert 1 <= shadow.num_rebuilds <= 8  # 1 + 2 + 4 + ... + 128 passes: 8 tries in 200
+    cache.evictable_size = real  # in step again: the next try succeeds, the back-off resets
+    for _ in range(300):
+        shadow.begin_pass([])
+    assert not shadow.dirty

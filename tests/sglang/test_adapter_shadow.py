@@ -54,8 +54,9 @@ class Pair:
             rig = Rig(kv_tokens=BIG >> 8, max_prefill_tokens=3000, chunked_prefill_size=3000)
             fair = plugin.install_policy(rig.scheduler, PluginSettings(policy, opts))
             fair.ledger.clock = itertools.count().__next__  # same arrival times on both sides
-            if exact:
+            if exact:  # the oracle: SGLang's own match for every request, unbounded
                 fair.disable_shadow()
+                fair.exact_cap = None
             for doc in docs[:5]:  # 3 documents are not cached: their requests share uncached
                 rig.cache(doc)
             self.rigs.append(rig)
@@ -234,3 +235,32 @@ def test_caches_the_shadow_cannot_follow_keep_the_exact_path():
     rig.cache([1, 2, 3, 4])
     rig.queue(make_req([1, 2, 3, 9], "a"))
     assert [r.origin_input_ids.tolist() for r in rig.admit()] == [[1, 2, 3, 9]]
+
+
+def test_without_a_shadow_a_pass_matches_at_most_128_requests_exactly():
+    """Where the shadow cannot answer, the plugin matched every waiting request on SGLang's
+    own tree on every pass, uncapped (SGLang's LPM matches none beyond 128 waiting), and each
+    match moves SGLang's LRU clock. Now a pass matches at most 128; the rest keep the length
+    of their last match."""
+    from sglang.srt.mem_cache import common
+
+    pair = Pair("dlpm", {}, seed=3, n=400)
+    exact = pair.rigs[1].scheduler.policy
+    exact.exact_cap = 128  # the default, set back on the oracle side
+    calls = [0]
+    real = common.match_kv_cache
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    import sgl_fair.worker.sglang.adapter as adapter_mod
+
+    orig = adapter_mod.match_kv_cache
+    adapter_mod.match_kv_cache = counting
+    try:
+        exact.calc_priority(pair.rigs[1].scheduler.waiting_queue, None)
+        exact.close_walk()
+    finally:
+        adapter_mod.match_kv_cache = orig
+    assert calls[0] == 128 and exact.num_capped > 0

@@ -230,6 +230,12 @@ class Ledger:
         return m
 
 
+# Where the shadow cannot answer (page size > 1 without events, attention TP, namespaced
+# requests), a pass matches at most this many waiting requests on SGLang's own tree, as
+# SGLang's LPM matches none beyond 128 waiting; the rest keep the length of their last match.
+EXACT_MATCHES_PER_PASS = 128
+
+
 class _View:
     """The ``SchedulerView`` our policy orders with: prefix matches against SGLang's cache."""
 
@@ -239,12 +245,18 @@ class _View:
         self._shadow = adapter.shadow if adapter._shadow_on else None
         self.running = running
         self.now = adapter.ledger.clock()
+        self._exact = 0  # SGLang's own matches this pass (no shadow for the request)
 
     def prefix_len(self, m: Request) -> int:
         req = self._req_of(m)
         shadow = self._shadow
         if shadow is not None and not shadow.dirty and shadow.handles(req):
             return shadow.prefix_len(req, m.input_ids)
+        cap = self._adapter.exact_cap
+        if cap is not None and self._exact >= cap:  # as SGLang bounds its own: no more walks
+            self._adapter.num_capped += 1  # of its tree this pass; the last match it made
+            return int(getattr(req, "prefix_len", 0) or 0)
+        self._exact += 1
         return self._adapter.prefix_len(req)
 
     def prefix_lens(self, ms: Sequence[Request]) -> list[int]:
@@ -283,6 +295,8 @@ class FairSchedulePolicy(SchedulePolicy):
         self._pos = 0
         self.num_walks = 0
         self.num_resyncs = 0
+        self.num_capped = 0  # prefix lengths not matched this pass: past the bound
+        self.exact_cap: int | None = EXACT_MATCHES_PER_PASS  # None: every one (an oracle)
         self.errors = HookErrors()  # our hooks' failures, per hook (hook_errors.py)
         # Prefix matches for the policy: memoised against a shadow of the cache (shadow.py)
         # where the cache is one it can follow, else SGLang's own match_prefix.

@@ -67,6 +67,8 @@ class EventShadow(ShadowCache):
         # tree, so the shadow stops answering (the adapter matches exactly, by SGLang).
         self.namespaced = False
         self._take = tree_cache.take_events  # the cache's own (bound) method
+        self._backoff = 0  # passes to wait after the last failed rebuild (doubling)
+        self._skip = 0  # passes still to wait before the next rebuild
 
         def take_events() -> list:
             if self._following:
@@ -151,11 +153,19 @@ class EventShadow(ShadowCache):
             self.dirty = True
             return
         if not self.in_sync():
+            if self._skip > 0:  # a rebuild failed lately: exact matches a while longer
+                self._skip -= 1
+                self.dirty = True
+                return
             self.num_rebuilds += 1
             self.rebuild()
             self.dirty = not self.in_sync()
-            if self.dirty:
+            if self.dirty:  # back off: 1, 2, 4, ... passes (at most 1,024) before the next try
+                self._backoff = min(1024, 2 * self._backoff or 1)
+                self._skip = self._backoff
                 log.info("sgl-fair: event shadow out of sync with SGLang's cache; exact matches")
+            else:
+                self._backoff = 0
 
     def handles(self, req: Any) -> bool:
         """Events name no ``extra_key``: a request with a namespace is matched exactly."""
