@@ -358,6 +358,15 @@ def group_by_client(waiting: Sequence[Request]) -> dict[ClientId, list[Request]]
     return groups
 
 
+def waiting_groups(waiting: Sequence[Request], view: Any) -> dict[ClientId, list[Request]]:
+    """``group_by_client(waiting)``, or the same groups a view keeps as requests come and go
+    (a capability: ``view.waiting_by_client()``, None where it keeps none; the SGLang plugin's
+    view keeps them, so a pass does not group its whole queue again)."""
+    kept = getattr(view, "waiting_by_client", None)
+    groups = kept() if kept is not None else None
+    return group_by_client(waiting) if groups is None else groups
+
+
 def client_weight(weights: Mapping[ClientId, float], client: ClientId) -> float:
     return weights.get(client, 1.0)
 

@@ -43,8 +43,8 @@ from sgl_fair.policies.base import (
     SchedulerView,
     WeightsOption,
     client_weight,
-    group_by_client,
     register,
+    waiting_groups,
 )
 from sgl_fair.request import ClientId, Request
 
@@ -221,7 +221,7 @@ class VTC(WeightsOption, BasePolicy):  # Weighted: its Config takes weights
 
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
         """Earliest request of the least-counter client, recomputed after every admission."""
-        queues = {c: deque(reqs) for c, reqs in group_by_client(waiting).items()}
+        queues = {c: deque(reqs) for c, reqs in waiting_groups(waiting, view).items()}
         heap = [(self.counter(c), q[0].arrival_key(), c) for c, q in queues.items()]
         heapq.heapify(heap)
         while heap:

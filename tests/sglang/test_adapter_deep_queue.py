@@ -16,6 +16,7 @@ import pytest
 from sglang_rig import Rig, make_req
 
 from sgl_fair.worker.sglang import adapter, plugin
+from sgl_fair.worker.sglang import ledger as ledger_mod
 from sgl_fair.worker.sglang.settings import PluginSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -93,7 +94,7 @@ def test_the_bench_does_arrivals_outside_the_pass_as_a_server_does(monkeypatch, 
     import bench_sglang_adapter as bench
 
     in_pass = []
-    real_calc, real_arrived = adapter.FairSchedulePolicy.calc_priority, adapter.Ledger.arrived
+    real_calc, real_arrived = adapter.FairSchedulePolicy.calc_priority, ledger_mod.Ledger.arrived
 
     def calc(self, *a, **k):
         in_pass.append(0)
@@ -112,7 +113,7 @@ def test_the_bench_does_arrivals_outside_the_pass_as_a_server_does(monkeypatch, 
         return real_arrived(self, req)
 
     monkeypatch.setattr(adapter.FairSchedulePolicy, "calc_priority", calc)
-    monkeypatch.setattr(adapter.Ledger, "arrived", arrived)
+    monkeypatch.setattr(ledger_mod.Ledger, "arrived", arrived)
     n = 40
     arrival_s, first_s, next_s, order = bench.two_passes("plugin", "dlpm", n, 4096, hooked)
     assert (arrivals.outside, arrivals.inside) == ((n, 0) if hooked else (0, n))
