@@ -76,7 +76,9 @@ def test_a_burst_through_the_gate_keeps_every_pass_short():
     gated = asyncio.run(worst_pass(16))
     ungated = asyncio.run(worst_pass(None))
     assert ungated > 1.0  # the failure mode is real
-    assert gated < 0.2, gated
+    # A ratio, not a time: on a loaded machine both stretch (a pass of 16 requests takes
+    # ~16 ms alone; descheduled, 0.2 s and more), but ungated stays the whole burst.
+    assert gated < ungated / 8, (gated, ungated)
 
 
 class Recorder:
