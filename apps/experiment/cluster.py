@@ -101,7 +101,7 @@ def apply_overrides(specs: Sequence[RunSpec], ov: Overrides) -> list[RunSpec]:
             changes["scenario"] = None  # chat is the Fig. 8 flood: it has no S1/S2
         s = s.replace(**changes) if changes else s
         key = (_combo_key(s.combo), s.dp, s.workload, s.scenario, s.gpu, s.model, s.x, s.duration_s,
-               s.replicas, s.report_period_s, s.shared_state)  # fmt: skip
+               s.replicas, s.report_period_s, s.shared_state, s.fault)  # fmt: skip
         if key not in seen:
             seen.add(key)
             out.append(s)

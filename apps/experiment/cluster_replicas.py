@@ -9,7 +9,11 @@ D2LPM+DLPM at the defaults; S1 and S2), routed by
 * R independent replicas (``shared_state`` False: today's router behind a load balancer).
 
 Full: R = 1, 2, 4, 8 × reports every 10, 100, 500 ms, 120 s of arrivals. Quick: 30 s of
-arrivals, the periods at R = 4 and R = 2, 8 at 100 ms.
+arrivals, the periods at R = 4 and R = 2, 8 at 100 ms. Both: R = 4 at 100 ms with a fault
+injected halfway through the arrivals (issue 40; ``FAULT_ROWS``, ``cluster_fault_sim.py``):
+a worker restart with the same pid, a 7 s partition of one worker from one replica, a replica
+restart, duplicate rids. Fault rows carry ``fault`` (absent on the others) and the calls'
+outcomes: ``calls_lost`` and ``calls_hung`` must be 0, Jain within 0.03 of the fault-free row.
 
 The load balancer round-robins calls over the replicas, so each replica sees every client
 (``cluster_replica_set.py``; ``docs/replicas.md``). Rows carry ``replicas``,
@@ -24,12 +28,15 @@ from __future__ import annotations
 from sgl_fair.workloads.combos import D2LPM
 
 from .cluster_base import RATE_SCALE, ClusterExperiment, claim, missing, one
+from .cluster_replica_faults import FAULTS
 from .cluster_runs import RunSpec
 
 PERIODS = (0.01, 0.1, 0.5)
 REPLICAS = (2, 4, 8)
 TARGET_R, TARGET_PERIOD = 4, 0.1
 SERVED = "served_tok_s"  # tokens served while programs arrive (the grid's throughput)
+FAULT_ROWS = FAULTS  # each at TARGET_R, TARGET_PERIOD
+FAULT_JAIN = 0.03  # a fault row's Jain may fall this far below the fault-free row's
 # Fields that must match exactly between one router and one replica with shared state.
 _EXACT = (
     "served_tok_s",
@@ -75,6 +82,16 @@ def _specs(quick: bool, seed: int) -> list[RunSpec]:
             specs.append(
                 base.replace(
                     replicas=r, shared_state=False, x=float(r), row_extra={"setup": "independent"}
+                )
+            )
+        for fault in FAULT_ROWS:
+            specs.append(
+                base.replace(
+                    replicas=TARGET_R,
+                    report_period_s=TARGET_PERIOD,
+                    x=float(TARGET_R),
+                    fault=fault,
+                    row_extra={"setup": "fault"},
                 )
             )
     return specs
@@ -155,7 +172,46 @@ def _scenario_claims(sc: str, rows):
                 "service units",
             )
         )
+    return out + _fault_claims(tag, tgt, rows)
+
+
+def _fault_claims(tag: str, tgt: dict, rows) -> list:
+    """Each fault row against the fault-free run at the same R and period (``tgt``)."""
+    out = []
+    for fault in FAULT_ROWS:
+        row = one(rows, setup="fault", fault=fault)
+        what = f"{tag} {fault} at R = {TARGET_R}, {TARGET_PERIOD * 1000:g} ms"
+        texts = (
+            f"{what}: 0 calls lost or hung, none left in flight",
+            f"{what}: Jain ≥ the fault-free run's − {FAULT_JAIN:g}",
+        )
+        if row is None:
+            out += [missing(text) for text in texts]
+            continue
+        bad = {k: row[k] for k in ("calls_lost", "calls_hung", "inflight_leaked") if row[k]}
+        ref = tgt.get("unfinished_calls", 0)
+        detail = ", ".join(f"{k} {v}" for k, v in bad.items()) or "none lost, hung or in flight"
+        detail += f" (the fault-free run left {ref} calls unfinished)"
+        moved = ", ".join(f"{k} {row[k]}" for k in _OUTCOMES if row.get(k))
+        out.append(
+            claim(
+                texts[0],
+                not bad and ref == 0,
+                detail + (f"; {moved}" if moved else ""),
+            )
+        )
+        d_jain = row["jain"] - tgt["jain"]
+        out.append(
+            claim(
+                texts[1],
+                d_jain >= -FAULT_JAIN,
+                f"{row['jain']:.3f} vs {tgt['jain']:.3f} ({d_jain:+.3f})",
+            )
+        )
     return out
+
+
+_OUTCOMES = ("calls_failed", "calls_redispatched", "calls_retried", "calls_refused")
 
 
 REPLICAS_EXP = ClusterExperiment(

@@ -19,8 +19,10 @@ Router replicas (``replicas`` set; ``cluster_replica_set.py``): R replicas behin
 load balancer, sharing the workers' service reports every ``report_period_s`` or
 (``shared_state=False``) each on its own; the row then carries ``replicas``,
 ``report_period_s``, ``shared_state``, ``misbehaver_share`` and the replicas' staleness
-(``view_lag_max`` …). ``row_extra`` is copied into the row (naming ``replicas`` there marks a
-one-router row of a replica experiment: it gets ``misbehaver_share`` too).
+(``view_lag_max`` …); with ``fault`` set, a fault injected mid-run (``cluster_fault_sim.py``:
+the row carries ``fault`` and the calls' outcomes, ``calls_lost`` …). ``row_extra`` is copied
+into the row (naming ``replicas`` there marks a one-router row of a replica experiment: it
+gets ``misbehaver_share`` too).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from sgl_fair.workloads.program_metrics import (
 )
 from sgl_fair.workloads.programs import generate_programs, program_demand, workload
 
+from .cluster_fault_sim import simulate_faults
+from .cluster_replica_faults import FaultReplicaSet, fault_plan
 from .cluster_replica_set import ReplicaSet
 
 
@@ -73,6 +77,7 @@ class RunSpec:
     replicas: int | None = None  # None: one plain router
     report_period_s: float = 0.1
     shared_state: bool = True
+    fault: str | None = None  # replicas sharing state, a fault injected mid-run (FAULTS)
     row_extra: Mapping[str, Any] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> RunSpec:
@@ -119,6 +124,15 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     router: Router | ReplicaSet
     if spec.replicas is None:
         router = Router(make_router_policy(combo.router, **router_opts), spec.dp)
+    elif spec.fault is not None:
+        router = FaultReplicaSet(
+            lambda: make_router_policy(combo.router, **router_opts),
+            spec.dp,
+            spec.replicas,
+            plan=fault_plan(spec.fault, spec.duration_s, spec.dp, spec.replicas),
+            kv_event_delay_s=2 * spec.net_delay_s,
+            net_delay_s=spec.net_delay_s,
+        )
     else:
         router = ReplicaSet(
             lambda: make_router_policy(combo.router, **router_opts),
@@ -139,8 +153,9 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     )
     cost_model = CostModel.from_names(spec.gpu, spec.model)
     local_opts = dict(combo.local_opts)
-    result = simulate_cluster(
-        router=router,
+    simulate = simulate_faults if isinstance(router, FaultReplicaSet) else simulate_cluster
+    result = simulate(
+        router=router,  # type: ignore[arg-type]
         local_policy=lambda _w: make_policy(combo.local, **local_opts),
         config=config,
         programs=programs,

@@ -4,6 +4,7 @@ shared state is one router exactly; R replicas' views stay behind the truth, nev
 from __future__ import annotations
 
 from sgl_fair.experiment.cluster import EXPERIMENTS, Overrides, apply_overrides
+from sgl_fair.experiment.cluster_replica_faults import FAULTS
 from sgl_fair.experiment.cluster_replica_set import ReplicaSet
 from sgl_fair.experiment.cluster_runs import RunSpec, run_one
 from sgl_fair.policies import make_policy
@@ -35,6 +36,15 @@ def test_registered_with_every_setup_and_overrides_keep_them_apart():
     assert {(s.replicas, s.report_period_s) for s in full if s.shared_state and s.replicas} == (
         {(1, 0.1)} | {(r, p) for r in (2, 4, 8) for p in (0.01, 0.1, 0.5)}
     )
+    for build in (specs, full):  # issue 40: each fault once per scenario, at R = 4, 100 ms
+        faults = [s for s in build if s.fault is not None]
+        assert sorted((s.scenario, s.fault) for s in faults) == sorted(
+            (sc, f) for sc in ("s1", "s2") for f in FAULTS
+        )
+        assert {(s.replicas, s.report_period_s, s.shared_state) for s in faults} == {(4, 0.1, True)}
+        assert all(s.row_extra["setup"] == "fault" for s in faults)
+        assert all(s.row_extra["setup"] != "fault" for s in build if s.fault is None)
+    assert len(apply_overrides(full, Overrides(scenario="s2"))) == len(full) // 2
 
 
 def test_one_replica_with_shared_state_is_one_router_exactly():
