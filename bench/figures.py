@@ -60,13 +60,6 @@ _TPOT_GAIN = _GAIN.replace("rt_ttft", "rt_tpot_token")
 
 
 _REP = "d2lpm-replicas-quick-*.json"
-_DRAIN = "sglang-live-drain-*-after.json"
-
-
-def _drain(case: str, ref: str, waiting: str) -> tuple[str, str]:
-    return (f"rows[case={case}].~{waiting}.p50_ms", f"rows[case={ref}].~{waiting}.p50_ms")
-
-
 _LEDGER = "replica-ledger-*-after.json"
 
 
@@ -170,15 +163,6 @@ FIGURES: list[Figure] = [
            target=(">=", 100.0)),
     Figure("sim-speed-max", "… fastest policy", "sim-speed-*.json", "max_speedup",
            fmt="{:.0f}", unit="× real time"),
-    Figure("drain-dlpm-128", "Plugin pass in live SGLang, churn, ~128 waiting, drain off the "
-           "pass: dlpm ÷ SGLang lpm", _DRAIN, _drain("plugin:dlpm", "sglang:lpm", "128"),
-           unit="×", target=("<=", 1.5)),
-    Figure("drain-dlpm-1000", "… ~1,000 waiting: dlpm ÷ SGLang lpm", _DRAIN,
-           _drain("plugin:dlpm", "sglang:lpm", "1000"), unit="×", target=("<=", 1.5)),
-    Figure("drain-vtc-128", "… ~128 waiting: vtc ÷ SGLang fcfs", _DRAIN,
-           _drain("plugin:vtc", "sglang:fcfs", "128"), unit="×", target=("<=", 1.2)),
-    Figure("drain-vtc-1000", "… ~1,000 waiting: vtc ÷ SGLang fcfs", _DRAIN,
-           _drain("plugin:vtc", "sglang:fcfs", "1000"), unit="×", target=("<=", 1.2)),
     Figure("replicas-s2-r4", "d2lpm-replicas --quick, S2, R = 4, 100 ms reports: served ÷ one "
            "router", _REP, (_rep("s2", "shared", 4, 0.1), _rep("s2", "one router", 1, None)),
            fmt="{:.3f}", unit="×", claim="ToT-S2: R = 4, 100 ms reports: throughput"),
@@ -207,8 +191,7 @@ STORED: dict[str, dict[str, str]] = {
     "sglang-live-admission-2026-11-28-after.json": {"commit": "2f08347 (dirty)", "machine": EPYC},
     "bros-bicache-2026-11-27.json": {"commit": "c353086 (stored)", "machine": EPYC},
     "replica-ledger-2026-11-29-after.json": {"commit": "37290c5", "machine": EPYC},
-    "sglang-live-drain-2026-11-29-after.json": {"commit": "19c6aea", "machine": EPYC},
-    "sglang-live-drain-2026-11-29-before.json": {"commit": "08cd15f", "machine": EPYC},
+    "sglang-live-admission-2026-11-29-after-churn.json": {"commit": "a296f23", "machine": EPYC},
     "replica-ledger-2026-11-29-before.json": {"commit": "08cd15f", "machine": EPYC},
 }
 
