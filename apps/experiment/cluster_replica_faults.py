@@ -33,9 +33,10 @@ The truth a view is checked against (``check_invariants``) comes from the worker
 included): a replica's view
 of client c on worker u never exceeds the other replicas' rows of the boot its view follows
 plus its own rows in that and later boots and its dispatches still on the way. ``view lag``
-is measured against the same ledgers (the other replicas' rows minus what the view holds of
-them), so a restarted view is not counted as lagging by the history it was told not to
-charge.
+is ``ReplicaSet``'s (the dispatch-time truth minus the view), except that a view created
+mid-run (a worker taken back, a new replica) counts from its baseline snapshot: the history
+before it, which it is told not to charge, is not lag; views that start with the run are
+measured exactly as ``ReplicaSet`` measures them.
 """
 
 from __future__ import annotations
@@ -163,6 +164,11 @@ class FaultReplicaSet(ReplicaSet):
         self.retired: list[ReplicaRouter] = []
         self.known_boot: list[dict[int, int]] = [{} for _ in range(replicas)]
         self.view_boot: list[dict[int, int]] = [{} for _ in range(replicas)]
+        # per slot, per worker whose view the lag is measured for: client -> what it was not
+        # to count (service units; none for views that start with the run)
+        self._gap: list[dict[int, dict[str, float]]] = [
+            {u: {} for u in range(num_workers)} for _ in range(replicas)
+        ]
         self.ledgers: Ledgers = {}
         self.boots: dict[int, list[int]] = {}
         self.transit: dict[tuple[int, int, str], int] = {}  # (id, worker, client) -> charges
@@ -247,6 +253,8 @@ class FaultReplicaSet(ReplicaSet):
                     f"of worker {msg.worker} before its Hello (knows {known})"  # fmt: skip
                 if rep.state.has_baseline(msg.worker):
                     self.view_boot[s][msg.worker] = service.boot
+                    if msg.worker not in self._gap[s]:  # a view created mid-run: its baseline
+                        self._gap[s][msg.worker] = self._unseen(s, msg.worker)
 
     def deliver_tokens(self, msg: Tokens, by_id: dict[int, list], now: float) -> None:
         self._deliver(now)
@@ -291,6 +299,7 @@ class FaultReplicaSet(ReplicaSet):
         for key in [k for k in own if k[0] == worker]:
             del own[key]
         self.view_boot[slot].pop(worker, None)
+        self._gap[slot].pop(worker, None)
         self.known_boot[slot].pop(worker, None)
         return lost
 
@@ -327,6 +336,7 @@ class FaultReplicaSet(ReplicaSet):
         self._own[slot] = {}
         self.known_boot[slot] = {}
         self.view_boot[slot] = {}
+        self._gap[slot] = {}
         return new
 
     # ---- KV events --------------------------------------------------------------------------
@@ -379,16 +389,18 @@ class FaultReplicaSet(ReplicaSet):
             oo += o
         return pe, po, oe, oo
 
+    def _unseen(self, r: int, u: int) -> dict[str, float]:
+        """Per client, the service on ``u`` replica ``r``'s view does not hold now."""
+        return {c: t - self._seen(r, u, c) for (w, c), t in self._truth.items() if w == u}
+
     def _measure_lag(self, r: int, client: str) -> None:
         lag = 0.0
+        gaps = self._gap[r]
         for u in self.replicas[r].workers:
-            truth = self._ledger_truth(r, u, client)
-            if truth is None:
-                continue
-            ext, out = self.replicas[r].state.service(u, client)
-            own = self._own[r].get((u, client), (0, 0))
-            seen = self._w_e * (ext - own[0]) + self._w_o * (out - own[1])
-            lag = max(lag, self._w_e * truth[0] + self._w_o * truth[1] - seen)
+            gap = gaps.get(u)
+            if gap is not None:  # none between a view's reset and its baseline
+                unseen = self._truth.get((u, client), 0.0) - self._seen(r, u, client)
+                lag = max(lag, unseen - gap.get(client, 0.0))
         self.lag_max = max(self.lag_max, lag)
         self.lag_sum += lag
         self.num_dispatches += 1

@@ -44,7 +44,7 @@ def test_registered_with_every_setup_and_overrides_keep_them_apart():
         assert {(s.replicas, s.report_period_s, s.shared_state) for s in faults} == {(4, 0.1, True)}
         assert all(s.row_extra["setup"] == "fault" for s in faults)
         assert all(s.row_extra["setup"] != "fault" for s in build if s.fault is None)
-    assert len(apply_overrides(full, Overrides(scenario="s2"))) == len(full) // 2
+    assert {s.fault for s in apply_overrides(full, Overrides(dp=4))} == {None, *FAULTS}
 
 
 def test_one_replica_with_shared_state_is_one_router_exactly():
