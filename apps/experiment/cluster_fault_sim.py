@@ -30,7 +30,9 @@ the live system (``worker/remote.py``, ``router/remote_link.py``, ``router/liven
 A call's outcome is counted where its client hears it: ``calls_failed`` (the fault failed
 it), ``calls_redispatched``, ``calls_retried``, ``calls_refused``; ``calls_hung`` are calls
 still open at the end, ``calls_lost`` those of them no replica holds any more (nobody will
-answer them), ``inflight_leaked`` the calls a live replica still holds at the end.
+answer them), ``inflight_leaked`` the calls a live replica still holds at the end. Every run
+ends with every scheduler's and replica's invariants checked (``views_within_ledgers``: no
+replica's view of a client on a worker above what the workers' ledgers hold).
 """
 
 from __future__ import annotations
@@ -240,8 +242,7 @@ class _FaultSim(FaultEvents):
                 _check(self.workers, rset)
         else:
             now = t_last
-        if check_every:
-            _check(self.workers, rset)
+        _check(self.workers, rset)  # always at the end: no view above the ledgers' truth
         self._outcome()
         return FaultClusterResult(
             workers=self.workers, submitted=self.submitted, programs=list(programs),
