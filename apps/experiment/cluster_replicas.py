@@ -120,7 +120,7 @@ def _scenario_claims(sc: str, rows):
         out.append(claim(text, not diff, "differ: " + (", ".join(diff) or "nothing")))
     what = f"R = {TARGET_R}, {TARGET_PERIOD * 1000:g} ms reports"
     if base is None or tgt is None:
-        return out + [missing(f"{tag} {what}: the targets")]
+        return out + [missing(f"{tag} {what}: the targets")] + _fault_claims(tag, tgt, rows)
     ratio = tgt[SERVED] / base[SERVED]
     out.append(
         claim(
@@ -175,11 +175,11 @@ def _scenario_claims(sc: str, rows):
     return out + _fault_claims(tag, tgt, rows)
 
 
-def _fault_claims(tag: str, tgt: dict, rows) -> list:
+def _fault_claims(tag: str, tgt: dict | None, rows) -> list:
     """Each fault row against the fault-free run at the same R and period (``tgt``)."""
     out = []
     for fault in FAULT_ROWS:
-        row = one(rows, setup="fault", fault=fault)
+        row = None if tgt is None else one(rows, setup="fault", fault=fault)
         what = f"{tag} {fault} at R = {TARGET_R}, {TARGET_PERIOD * 1000:g} ms"
         texts = (
             f"{what}: 0 calls lost or hung, none left in flight",

@@ -170,3 +170,7 @@ def test_fault_claims_pass_on_clean_rows_and_fail_on_each_bad_outcome():
         assert [t for t, ok in bad.items() if not ok] != [], change
     missing = verdicts(faults[1:])
     assert sum(not ok for ok in missing.values()) == 2  # a fault row filtered out fails
+    alone = rows[2:] + faults  # no one-router row (a narrowed run): still judged
+    assert len(verdicts(alone)) == 2 * len(FAULTS) and all(verdicts(alone).values())
+    no_ref = {c.text: c.passed for c in _claims(faults) if "lost or hung" in c.text}
+    assert len(no_ref) == len(FAULTS) and not any(no_ref.values())  # nothing to compare with
