@@ -24,7 +24,6 @@ from sgl_fair.router.replica import ReplicaRouter
 from sgl_fair.router.router import Router
 from sgl_fair.router.service import RouterService
 from sgl_fair.router.telemetry import Telemetry
-from sgl_fair.router.telemetry_replicas import ReplicaCollector
 from sgl_fair.router.tokenizer import Tokenizer
 from sgl_fair.transport import Endpoints
 
@@ -95,7 +94,7 @@ class ServerState:
             kv_endpoints=kv_endpoints,
             kv_replay_endpoints=kv_replay_endpoints,
         )
-        telemetry.registry.register(ReplicaCollector(service))  # the replica layer, at scrape
+        telemetry.replicas.watch(service)  # the replica layer on /metrics, read at scrape
         limiters = {}
         if tenants is not None:
             for t in tenants.tenants:

@@ -34,6 +34,7 @@ from prometheus_client import (
 
 from sgl_fair.messages import Load
 from sgl_fair.router.telemetry_interactions import InteractionMetrics
+from sgl_fair.router.telemetry_replicas import ReplicaCollector
 
 MAX_APP_LABELS = 64  # distinct `app` label values of the throttling counter
 MAX_TENANT_LABELS = 1_000  # distinct `tenant` label values beyond a tenants file's tenants
@@ -169,6 +170,9 @@ class Telemetry:
         )
         self._prompt = 0
         self._cached = 0
+        # the replica layer and the KV-event feed, read from the router service at scrape
+        self.replicas = ReplicaCollector()
+        r.register(self.replicas)
         # FairServe's measures by tenant and app (users, interactions, queueing)
         self.interactions = InteractionMetrics(
             r, _LATENCY_BUCKETS, self.app_label, prefix=p, tenant_label=self.tenant_label

@@ -29,7 +29,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class ReplicaCollector:
-    def __init__(self, service: Any) -> None:
+    """Registered with the server's registry from the start (``Telemetry``): its metrics are
+    listed, without samples, until ``watch`` gives it the router service to read."""
+
+    def __init__(self, service: Any = None) -> None:
+        self.service = service
+
+    def watch(self, service: Any) -> None:
         self.service = service
 
     def describe(self) -> list:
@@ -37,7 +43,8 @@ class ReplicaCollector:
 
     def collect(self) -> Iterator[Any]:
         p = "sgl_fair_replica_"
-        router = self.service.router
+        service = self.service
+        router = service.router if service is not None else None
         state = getattr(router, "state", None)  # a ReplicaRouter's; None for a plain Router
         counts = {  # name: (the ReplicaState count, help)
             "reports": ("num_reports", "Workers' service reports taken"),
@@ -64,8 +71,9 @@ class ReplicaCollector:
             "sgl_fair_worker_kv_event_replayed", "KV-event batches missed, then replayed",
             labels=["worker"],
         )  # fmt: skip
-        now = self.service.clock()  # the clock the router took its reports by
-        for wid, w in sorted(self.service.workers.items()):
+        workers = service.workers if service is not None else {}
+        now = service.clock() if service is not None else 0.0  # the router's report clock
+        for wid, w in sorted(workers.items()):
             label = [str(wid)]
             gaps.add_metric(label, w.kv_gaps)
             replayed.add_metric(label, w.kv_replayed)
