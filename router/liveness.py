@@ -156,7 +156,6 @@ class WorkerLiveness:
             else:
                 why = "it lost this router's state (it forgot this router; same process)"
             self.worker_dead(msg.worker, why)
-            w.orphans.clear()  # it holds none of ours now
         w.boot = msg.boot
         w.alive = True
         w.death = None
@@ -171,6 +170,11 @@ class WorkerLiveness:
         self.router.add_worker(msg.worker)
         self.telemetry.worker_alive(msg.worker, True)
         log.info("worker %d ready (pid %d, %s)", msg.worker, msg.pid, msg.engine)
+        # Calls moved elsewhere while it was gone: the dispatch that made a restarted worker
+        # say Hello may run there too; an abort of one it does not hold does nothing.
+        for rid in w.orphans:
+            self._send(w.wid, Abort(w.wid, rid, "moved to another worker"))
+        w.orphans.clear()
         self.hello_event.set()
         if all(x.ever_ready for x in self.workers.values()):
             self.ready.set()

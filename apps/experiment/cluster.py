@@ -82,6 +82,10 @@ def apply_overrides(specs: Sequence[RunSpec], ov: Overrides) -> list[RunSpec]:
     dims = {name: getattr(ov, name) for name in ("dp", "workload", "gpu", "model")}
     dims = {name: v for name, v in dims.items() if v is not None}
     selects = {name for name, v in dims.items() if any(getattr(s, name) == v for s in specs)}
+    scenario = None if ov.scenario in (None, "none") else ov.scenario
+    # a scenario some runs have selects them, with their own rates (S2 is S1's clients at
+    # x2.5: setting "s2" on S1's runs made S2 at S1's rate, and dropped the real ones)
+    picks_scenario = scenario is not None and any(s.scenario == scenario for s in specs)
     out: list[RunSpec] = []
     seen: set[tuple] = set()
     for s in specs:
@@ -95,13 +99,16 @@ def apply_overrides(specs: Sequence[RunSpec], ov: Overrides) -> list[RunSpec]:
         for name, value in dims.items():
             if name not in selects:
                 changes[name] = value
-        if ov.scenario is not None:
-            changes["scenario"] = None if ov.scenario == "none" else ov.scenario
+        if picks_scenario:
+            if s.scenario != scenario:
+                continue
+        elif ov.scenario is not None:
+            changes["scenario"] = scenario
         elif ov.workload == "chat":
             changes["scenario"] = None  # chat is the Fig. 8 flood: it has no S1/S2
         s = s.replace(**changes) if changes else s
         key = (_combo_key(s.combo), s.dp, s.workload, s.scenario, s.gpu, s.model, s.x, s.duration_s,
-               s.replicas, s.report_period_s, s.shared_state, s.fault)  # fmt: skip
+               s.replicas, s.report_period_s, s.shared_state, s.fault, s.rate_scale)  # fmt: skip
         if key not in seen:
             seen.add(key)
             out.append(s)

@@ -214,3 +214,17 @@ def test_grid_claims_are_the_issues_targets_and_can_fail(change, failing):
     claims = EXPERIMENTS["d2lpm-grid"].claims(_grid_cell(**change))
     assert len(claims) == 9
     assert {i for i, c in enumerate(claims) if not c.passed} == failing, claims
+
+
+def test_a_scenario_override_selects_its_runs_with_their_own_rates():
+    """``--scenario s2`` on an experiment with S1 and S2 runs (d2lpm-replicas: S2 is S1's
+    clients at x2.5) keeps the S2 runs as built. Before, it set "s2" on the S1 runs too (S2 at
+    S1's rate) and dropped the real ones as their duplicates (the key had no rate)."""
+    specs = EXPERIMENTS["d2lpm-replicas"].build(False, 0)
+    got = apply_overrides(specs, Overrides(scenario="s2"))
+    want = [s for s in specs if s.scenario == "s2"]
+    assert got == want and {s.rate_scale for s in got} == {s.rate_scale for s in want}
+    assert all(s.rate_scale != 1.0 for s in got)
+    # a scenario no run has is set on all (a fixed setting changed)
+    chat = apply_overrides(EXPERIMENTS["d2lpm-grid"].build(True, 0), Overrides(scenario="none"))
+    assert {s.scenario for s in chat} == {None}

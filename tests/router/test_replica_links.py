@@ -150,3 +150,41 @@ def test_the_boot_id_travels_in_hello_and_load():
     h, ld = _hello(7, 2**62 + 5), _load(2**62 + 5)
     assert decode(encode(h)).boot == 2**62 + 5 and decode(encode(ld)).boot == 2**62 + 5
     assert msgspec.structs.replace(ld, boot=0).boot == 0
+
+
+def test_a_restarted_worker_is_told_to_abort_what_moved_away():
+    """The dispatch that reaches a restarted worker makes it say Hello, and it runs that call
+    too; the router moves (or fails) the call, and now also aborts it on the new process, so
+    it does not run to completion there for nobody."""
+    port = free_port_pair()
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        worker = _StandIn(ctx, port)
+        svc, link = _replica(port, attach_period_s=0.2, heartbeat_s=30.0)
+        await svc.start()
+        link.start()
+        try:
+            await asyncio.wait_for(worker.attach(), 10)
+            await worker.send(_hello(1, 11))
+            await svc.wait_ready(10)
+            call = svc.submit(_req("moved", 50), "t")
+            while True:  # the stand-in receives its Dispatch
+                _peer, frame = await asyncio.wait_for(worker.sock.recv_multipart(), 10)
+                if type(decode_frame(frame)).__name__ == "Dispatch":
+                    break
+            await worker.send(_hello(1, 22))  # restarted (the same pid)
+            await asyncio.wait_for(call.done.wait(), 10)  # moved or failed: never hangs
+            aborted = None
+            while aborted is None:
+                _peer, frame = await asyncio.wait_for(worker.sock.recv_multipart(), 10)
+                msg = decode_frame(frame)
+                if type(msg).__name__ == "Abort":
+                    aborted = msg.rid
+            assert aborted == "moved"
+        finally:
+            await link.close()
+            await svc.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
