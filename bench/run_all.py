@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -26,19 +24,12 @@ import bench_sglang_live  # noqa: E402
 import bench_sglang_side_by_side  # noqa: E402
 import bench_sim_speed  # noqa: E402
 
-from sgl_fair.experiment import bros  # noqa: E402
+from sgl_fair.experiment import bros, stored  # noqa: E402
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    m = stored.machine()  # the stored results' own reading of the machine
+    return f"{m['cpu']}, {m['cores']} cores, Python {m['python']}"
 
 
 def bros_overhead() -> dict:
