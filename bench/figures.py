@@ -193,6 +193,7 @@ STORED: dict[str, dict[str, str]] = {
     "replica-ledger-2026-11-29-after.json": {"commit": "37290c5", "machine": EPYC},
     "sglang-live-admission-2026-11-29-after-churn.json": {"commit": "a296f23", "machine": EPYC},
     "replica-ledger-2026-11-29-before.json": {"commit": "08cd15f", "machine": EPYC},
+    "side-by-side-2026-11-29.json": {"commit": "c6b1bd7", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [

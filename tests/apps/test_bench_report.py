@@ -72,7 +72,8 @@ def test_every_headline_figure_has_a_stored_value():
 def test_a_changed_stored_value_fails_the_check_until_the_report_is_rerun(tmp_path, capsys):
     results, bench, readme = _copies(tmp_path)
     assert _check(results, bench, readme) == 0
-    path = results / "side-by-side-2026-11-28-final.json"
+    source = next(r["source"] for r in report.figures(results) if r["key"] == "sbs-tokens")
+    path = results / source  # the newest side-by-side file, whichever it is
     data = json.loads(path.read_text())
     data["ratios"]["ours"]["tokens"] = 0.5
     path.write_text(json.dumps(data))
@@ -86,7 +87,10 @@ def test_a_changed_stored_value_fails_the_check_until_the_report_is_rerun(tmp_pa
 
 def test_a_hand_edited_table_fails_the_check(tmp_path):
     results, bench, readme = _copies(tmp_path)
-    bench.write_text(bench.read_text().replace("| 3.16× |", "| 1.90× |", 1))
+    value = next(r["value"] for r in report.figures(results) if r["key"] == "sbs-relay-cpu")
+    edited = bench.read_text().replace(f"| {value} |", "| 1.90× |", 1)
+    assert edited != bench.read_text()
+    bench.write_text(edited)
     assert _check(results, bench, readme) == 1
 
 
