@@ -21,7 +21,9 @@ CPU per second over ``--idle`` seconds without load, just before); then ours / S
         [--max-running 2] [--stacks sglang,ours] [--json runs/side.json]
 
 ``--stacks sglang,ours@REV,ours`` adds our stack as it was at git revision REV (its code first
-on the launcher's ``PYTHONPATH``, from ``git archive`` into a temp dir): before/after in one run.
+on the launcher's ``PYTHONPATH``, from ``git archive`` into a temp dir): before/after in one run;
+``ours+process`` runs ours with a bridge process per server (``--bridges process``) instead of
+the bridges inside the router (the default).
 
 Runs vary (±15 % on a shared 2-core machine): compare the ratios of one run, and repeat.
 """
@@ -274,8 +276,9 @@ def source_at(rev: str, tmp: Path) -> Path:
 
 
 def run_ours(
-    model: Path, tmp: Path, args: argparse.Namespace, vocab: int, rev: str | None = None
-) -> dict[str, Any]:
+    model: Path, tmp: Path, args: argparse.Namespace, vocab: int, rev: str | None = None,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     import httpx
 
     tenants = tmp / "tenants.toml"
@@ -288,7 +291,7 @@ def run_ours(
     cmd = [sys.executable, "-m", "sgl_fair.launch", "--backend", "sglang", "--dp", "2",
            "--model-path", str(model), "--schedule-policy", args.policy, "--port", str(port),
            "--tenants", str(tenants), "--heartbeat-timeout", "30",
-           *live_rig.CPU_FLAGS, *server_args(args)]  # fmt: skip
+           *live_rig.CPU_FLAGS, *server_args(args), *(extra or [])]  # fmt: skip
     with open(log, "w") as out:
         env = live_rig.server_env(cores="0|1")
         if rev is not None:  # our stack as it was at rev
@@ -301,7 +304,8 @@ def run_ours(
         _wait_ready(url, proc, log, 600)
         info = httpx.get(url + "/server_info", headers={"Authorization": "Bearer sk-victim"},
                          timeout=10).json()  # fmt: skip
-        bridges = [w["pid"] for w in info["workers"] if w.get("pid")]
+        # bridges inside the router (--bridges router) report its pid: counted as the router
+        bridges = [w["pid"] for w in info["workers"] if w.get("pid") not in (None, proc.pid)]
         servers = [c.pid for c in psutil.Process(proc.pid).children()
                    if "sglang.launch_server" in " ".join(c.cmdline())]  # fmt: skip
         groups = {"router": [proc.pid], "bridges": bridges, "servers": servers}
@@ -388,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--own-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--idle", type=float, default=5.0, help="seconds measured without load")
-    ap.add_argument("--stacks", default="sglang,ours", help="sglang, ours, ours@REV")
+    ap.add_argument("--stacks", default="sglang,ours",
+                    help="sglang, ours, ours@REV, ours+process (--bridges process)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the result here (under runs/)")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
@@ -400,9 +405,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             (tmp / stack).mkdir()
             if stack == "sglang":
                 results[stack] = run_sglang(model, tmp / stack, args, vocab)
-            else:  # "ours", or "ours@REV": our stack at a git revision
-                rev = stack.partition("@")[2] or None
-                results[stack] = run_ours(model, tmp / stack, args, vocab, rev)
+            else:  # "ours", "ours@REV" (our stack at a git revision), "ours+process"
+                name, _, mode = stack.partition("+")
+                rev = name.partition("@")[2] or None
+                extra = ["--bridges", mode] if mode else []
+                results[stack] = run_ours(model, tmp / stack, args, vocab, rev, extra)
             print(f"{stack}: {json.dumps(results[stack])}", flush=True)
     if "sglang" in results:
         for name in [k for k in results if k.startswith("ours")]:

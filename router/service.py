@@ -139,6 +139,9 @@ class RouterService(WorkerLiveness):
         self._flush_token = 0
         self._flush_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # Workers inside this process (a bridge on the router's loop, ``attach_local``):
+        # messages to them are handed over as objects, never encoded.
+        self.local: dict[int, Callable[[Any], None]] = {}
         # Until a worker says Hello it takes no requests.
         for i in range(num_workers):
             router.remove_worker(i)
@@ -207,6 +210,9 @@ class RouterService(WorkerLiveness):
         self.closing = True
         if shutdown_workers:
             for i, sock in self.push.items():
+                if i in self.local:
+                    self.local[i](Shutdown(i))
+                    continue
                 with contextlib.suppress(zmq.ZMQError):
                     sock.send(encode(Shutdown(i)), zmq.NOBLOCK)
         for call in list(self.calls.values()):
@@ -222,6 +228,20 @@ class RouterService(WorkerLiveness):
 
     def watch_process(self, worker: int, process: Any) -> None:
         self.workers[worker].process = process
+
+    def attach_local(self, worker: int, handle: Callable[[Any], None]) -> None:
+        """Worker ``worker`` runs inside this process: ``handle(msg)`` takes each message for
+        it (on a later pass of the loop, never inside the caller); it answers through
+        :meth:`deliver`."""
+        self.local[worker] = handle
+
+    def deliver(self, msg: Any) -> None:
+        """A message from a worker inside this process, handled as a frame read off the
+        socket is (an error is logged, never raised into the worker)."""
+        try:
+            self._on_message(msg)
+        except Exception:
+            log.exception("error handling %s", type(msg).__name__)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -259,6 +279,13 @@ class RouterService(WorkerLiveness):
     def _send(self, wid: int, msg: Any) -> bool:
         """Queue ``msg`` for worker ``wid``; False when nobody is connected at the other end
         (with an unbounded queue, that is the only reason a non-blocking send fails)."""
+        local = self.local.get(wid)
+        if local is not None:
+            proc = self.workers[wid].process
+            if proc is not None and not proc.is_alive():
+                return False
+            local(msg)
+            return True
         try:
             self.push[wid].send(encode(msg), zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -76,6 +76,7 @@ class LaunchConfig:
     worker_kv_replay_endpoints: tuple[str, ...] = ()  # each --worker-url's KV replay, if any
     sglang_args: tuple[str, ...] = ()  # passed through to every server the launcher starts
     worker_api_key: str | None = None  # the servers' --api-key (Bearer on every bridge call)
+    bridges: str = "router"  # the bridges inside the router's process, or "process": one each
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 30.0
     # SGLang's integer `priority` sets a request's class when it names none: >= N is RT
@@ -270,6 +271,8 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
     worker_api_key = a.worker_api_key or os.environ.get("SGLFAIR_WORKER_API_KEY") or None
     if a.worker_api_key is not None and not backend.sglang_servers:
         bad("--worker-api-key: only with --backend sglang (the SGLang servers' --api-key)")
+    if a.bridges is not None and not backend.sglang_servers:
+        bad("--bridges: only with --backend sglang (the bridges to SGLang servers)")
     return LaunchConfig(
         dp=dp,
         host=a.host,
@@ -311,6 +314,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         worker_kv_endpoints=tuple(a.worker_kv_endpoint),
         worker_kv_replay_endpoints=tuple(a.worker_kv_replay_endpoint),
         worker_api_key=worker_api_key,
+        bridges=a.bridges or "router",
         sglang_args=backend.server_args(a, passthrough),
         health_check_interval_s=a.health_check_interval,
         health_check_timeout_s=a.health_check_timeout,

@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "SGLFAIR_WORKER_API_KEY)",
     )  # fmt: skip
     p.add_argument(
+        "--bridges", choices=("router", "process"), default=None,
+        help="sglang: where the bridge to each SGLang server runs: inside the router's "
+        "process and event loop (router, the default: no hop per streamed token), or a "
+        "process per server (process: spreads the reading of many fast streams over cores "
+        "when the router's own core is the limit)",
+    )  # fmt: skip
+    p.add_argument(
         "--health-check-interval", type=float, default=5.0, metavar="S",
         help="sglang: seconds between a bridge's /health checks of its server",
     )  # fmt: skip

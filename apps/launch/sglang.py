@@ -24,8 +24,9 @@ log = logging.getLogger("sgl_fair.launch")
 
 class SGLangWorkers(Workers):
     """``--backend sglang``: the SGLang servers (the ``dp`` the launcher starts, or the
-    ``--worker-url`` ones already running) and one bridge process in front of each; a worker
-    is alive while both its bridge and its server are. Servers are not restarted: a start
+    ``--worker-url`` ones already running) and one bridge in front of each, inside the
+    router's process (``--bridges router``) or a process of its own; a worker is alive while
+    both its bridge and its server are. Servers are not restarted: a start
     takes minutes and a failure usually needs an operator."""
 
     def __init__(self, cfg: LaunchConfig, tenants: TenantTable | None) -> None:
@@ -33,6 +34,7 @@ class SGLangWorkers(Workers):
         self.cfg = cfg
         self.tenants = tenants
         self.servers: ServerGroup | None = None
+        self.hosted: list[Any] = []  # the bridges inside this process (--bridges router)
         self.urls = list(cfg.worker_urls)
         self.kv_endpoints = list(cfg.worker_kv_endpoints) or None
         self.kv_replay_endpoints = list(cfg.worker_kv_replay_endpoints) or None
@@ -40,7 +42,6 @@ class SGLangWorkers(Workers):
             self.servers = sglang_servers(cfg, tenants)
             self.urls = [server_url(s.argv) for s in self.servers.servers]
             self.kv_endpoints = [server_kv_endpoint(s.argv) for s in self.servers.servers]
-            self.kv_replay_endpoints = [server_kv_replay(s.argv) for s in self.servers.servers]
             self.kv_replay_endpoints = [server_kv_replay(s.argv) for s in self.servers.servers]
         if self.kv_endpoints is None:
             log.warning("no --worker-kv-endpoint: the router tracks the servers' caches by guess")
@@ -53,18 +54,28 @@ class SGLangWorkers(Workers):
             self.servers.start()  # before any thread exists: they are forked with a death signal
 
     def start(self, state: Any) -> None:
-        from sgl_fair.worker.sglang.bridge import bridge_main
+        from sgl_fair.worker.sglang.bridge import Bridge, bridge_main
+        from sgl_fair.worker.sglang.bridge_link import HostedBridge, LocalLink
 
         servers = self.servers
         pids = [s.pid for s in servers.servers] if servers else [None] * len(self.urls)
         bridges = bridge_configs(
             self.cfg, state.service.endpoints.base, self.urls, pids, self.tenants
         )
-        self.procs.start(bridges, bridge_main)
-        self.watch(state)
+        if self.cfg.bridges == "process":
+            self.procs.start(bridges, bridge_main)
+            self._watch(state, self.procs.procs)
+            return
+        service = state.service
+        for bcfg in bridges:  # inside this process, on the router's loop (bridge_link)
+            hosted = HostedBridge(Bridge(bcfg, LocalLink(service.deliver)))
+            service.attach_local(bcfg.wid, hosted.handle)
+            hosted.start()
+            self.hosted.append(hosted)
+        self._watch(state, self.hosted)
 
-    def watch(self, state: Any) -> None:
-        for i, proc in enumerate(self.procs.procs):
+    def _watch(self, state: Any, bridges: Sequence[Any]) -> None:
+        for i, proc in enumerate(bridges):
             watched = proc if self.servers is None else WatchedWorker(proc, self.servers.servers[i])
             state.service.watch_process(i, watched)
 

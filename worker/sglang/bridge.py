@@ -6,10 +6,12 @@
     router ◀──Hello / Tokens / Finished / Load / Flushed── bridge ◀──── stream chunks ─────┘
     router ◀──────────── KV events: SGLang's own zmq publisher (--kv-events-config) ─────────┘
 
-One process per server. It waits for ``GET /health``, reads the server's capacity from
-``/server_info``, says ``Hello``, then turns each ``Dispatch`` into a streaming ``/generate``
-with the request's token ids; the client id travels as ``routing_key``, which our scheduler
-plugin reads inside SGLang (never ``extra_key``: that would partition SGLang's prefix cache).
+One per server: a process of its own, or a task inside the router's process and loop
+(``bridge_link``: the same code, its messages handed across as objects). It waits for
+``GET /health``, reads the server's capacity from ``/server_info``, says ``Hello``, then
+turns each ``Dispatch`` into a streaming ``/generate`` with the request's token ids; the
+client id travels as ``routing_key``, which our scheduler plugin reads inside SGLang (never
+``extra_key``: that would partition SGLang's prefix cache).
 Each stream chunk's new token ids go out in a ``Tokens`` message (those of every stream
 read in one event-loop pass together: ``relay.TokenBatch``), its end as one ``Finished``.
 Every failure is a ``Finished`` too (REJECTED for the server's 4xx, ABORTED otherwise): a
@@ -19,7 +21,8 @@ Liveness: ``Load`` every ``load_interval_s`` is the router's heartbeat. The brid
 (non-zero, one log line) when ``/health`` has failed for ``health_timeout_s`` or the server
 process it watches is gone, so the router's process watch marks the worker dead.
 
-This module is the process (zmq, the requests in flight, liveness); what SGLang's HTTP API
+This module is the bridge (the requests in flight, liveness); how it reaches the router is
+``bridge_link``; what SGLang's HTTP API
 carries (probe, request body, stream events, error mapping) is in ``http_api``. No sglang
 import: the bridge talks HTTP only.
 """
@@ -37,8 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import zmq
-import zmq.asyncio
 
 from sgl_fair.messages import (
     Abort,
@@ -52,9 +53,9 @@ from sgl_fair.messages import (
     Shutdown,
 )
 from sgl_fair.request import Request
-from sgl_fair.transport import Endpoints, WireError, decode, encode
 from sgl_fair.worker.service_ledger import new_boot_id
 
+from .bridge_link import ZmqLink
 from .http_api import (
     Outcome,
     ServerInfo,
@@ -123,24 +124,19 @@ class Job:
 
 
 class Bridge:
-    def __init__(self, cfg: BridgeConfig) -> None:
+    def __init__(self, cfg: BridgeConfig, link: Any = None) -> None:
+        """``link``: how it talks to the router (``bridge_link``): a ``ZmqLink`` of its own
+        (a bridge process, the default) or a ``LocalLink`` (inside the router's process)."""
         self.cfg = cfg
         self.url = cfg.url.rstrip("/")
-        ep = Endpoints(cfg.endpoints)
-        self.actx = zmq.asyncio.Context()
-        self.sctx = zmq.Context()
-        self.inbox = self.actx.socket(zmq.PULL)
-        self.inbox.connect(ep.worker_in(cfg.wid))
-        self.outbox = self.sctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.SNDHWM, 0)
-        self.outbox.setsockopt(zmq.LINGER, 1000)
-        self.outbox.connect(ep.router_in)
+        self.link = link if link is not None else ZmqLink(cfg.wid, cfg.endpoints)
         self.info = ServerInfo()
         self.jobs: dict[str, Job] = {}
         self.loads: dict[str, Any] | None = None  # SGLang's latest /v1/loads entry
         self.done = asyncio.Event()
         self.exit_code = 0
-        self.parent = os.getppid()
+        # a bridge process watches its launcher; one inside the router has none to watch
+        self.parent = None if self.link.in_process else os.getppid()
         self.http: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []  # the bridge's own loops (not the requests)
         self.side_tasks: set[asyncio.Task] = set()  # aborts and flushes in flight
@@ -150,14 +146,14 @@ class Bridge:
         self.server_down = False
         self.boot = new_boot_id()  # in its Hello and every Load
         # new tokens of every stream read in one event-loop pass: one Tokens message
-        self.batch = TokenBatch(cfg.wid, self.outbox)
+        self.batch = TokenBatch(cfg.wid, self.link.send)
         self.tokens = self.batch.add
 
     # ---- io ------------------------------------------------------------------------------
 
     def send(self, msg: Any) -> None:
         self.batch.flush()  # the tokens read so far go first: a Finished never overtakes them
-        self.outbox.send(encode(msg), copy=False)
+        self.link.send(msg)
 
     def stop(self, code: int, why: str | None = None) -> None:
         if self.done.is_set():
@@ -172,7 +168,7 @@ class Bridge:
         pid = self.cfg.server_pid
         if pid is not None and not process_alive(pid):
             return f"SGLang server process {pid} is gone"
-        if os.getppid() != self.parent:
+        if self.parent is not None and os.getppid() != self.parent:
             return "the launcher exited"
         return None
 
@@ -186,7 +182,8 @@ class Bridge:
             connector=connector, timeout=timeout, headers=headers
         ) as http:
             self.http = http
-            self._spawn(self._recv_loop())
+            if self.link.serve is not None:  # else the router hands messages to handle()
+                self._spawn(self.link.serve(self.handle))
             self._spawn(self._start())
             try:
                 await self.done.wait()
@@ -250,16 +247,6 @@ class Bridge:
             return False
 
     # ---- loops ---------------------------------------------------------------------------
-
-    async def _recv_loop(self) -> None:
-        while True:
-            frame = await self.inbox.recv(copy=True)
-            try:
-                msg = decode(frame)
-            except WireError as e:
-                log.error("bridge %d: dropped a bad frame: %s", self.cfg.wid, e)
-                continue
-            self.handle(msg)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, Dispatch):
@@ -457,10 +444,7 @@ class Bridge:
         self.send(Flushed(self.cfg.wid, token, ok))
 
     def close(self) -> None:
-        for sock in (self.inbox, self.outbox):
-            sock.close()
-        self.actx.term()
-        self.sctx.term()
+        self.link.close()
 
 
 def bridge_main(cfg: BridgeConfig) -> None:

@@ -2,7 +2,7 @@
 response read to its end off the call's path, whether a process runs, the event loop.
 
 ``TokenBatch``: SGLang streams one event per request per decode step; sending each as its
-own zmq message costs the bridge, libzmq's I/O threads and the router a wake-up per token.
+own message costs the bridge, libzmq's I/O threads and the router a wake-up per token.
 The tokens of every stream read in one pass of the loop leave as one ``Tokens`` message, at
 the end of that pass (``call_soon``), or before anything the bridge sends meanwhile.
 """
@@ -13,19 +13,18 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import zmq
 
 from sgl_fair.messages import Tokens
-from sgl_fair.transport import encode
 
 
 class TokenBatch:
-    def __init__(self, wid: int, outbox: zmq.Socket) -> None:
+    def __init__(self, wid: int, send: Callable[[Any], None]) -> None:
         self.wid = wid
-        self.outbox = outbox
+        self.send = send  # the bridge's link: encoded onto zmq, or handed to the router
         self.items: list[tuple[str, tuple[int, ...]]] = []  # read, not yet sent
         self.due: asyncio.Handle | None = None
 
@@ -41,8 +40,7 @@ class TokenBatch:
             self.due = None
         if self.items:
             items, self.items = self.items, []
-            msg = Tokens(self.wid, time.time(), tuple(items))
-            self.outbox.send(encode(msg), copy=False)
+            self.send(Tokens(self.wid, time.time(), tuple(items)))
 
 
 def process_alive(pid: int) -> bool:
