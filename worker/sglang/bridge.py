@@ -76,6 +76,9 @@ log = logging.getLogger("sgl_fair.bridge")
 
 EXIT_SERVER_GONE = 3
 EXIT_NOT_FAIR = 4  # the server does not run our plugin with the expected policy
+# How often the Load loop asks whether the server's process or the launcher is gone (a
+# /proc read per server): a bridge inside the router ran it 10 times a second per server.
+GONE_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -275,11 +278,15 @@ class Bridge:
 
     async def _load_loop(self) -> None:
         cfg = self.cfg
+        check_at = 0.0  # whether the server or launcher is gone: every GONE_CHECK_S at most
         while True:
-            gone = self._gone()
-            if gone is not None:
-                self.stop(EXIT_SERVER_GONE, gone)
-                return
+            now = time.monotonic()
+            if now >= check_at:
+                check_at = now + GONE_CHECK_S
+                gone = self._gone()
+                if gone is not None:
+                    self.stop(EXIT_SERVER_GONE, gone)
+                    return
             if not self.server_down:
                 self.send(self._load())
             await asyncio.sleep(cfg.load_interval_s)

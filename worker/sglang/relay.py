@@ -27,12 +27,16 @@ class TokenBatch:
         self.send = send  # the bridge's link: encoded onto zmq, or handed to the router
         self.items: list[tuple[str, tuple[int, ...]]] = []  # read, not yet sent
         self.due: asyncio.Handle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, rid: str, ids: tuple[int, ...]) -> None:
         """New tokens of ``rid``: sent at the end of this loop pass with the others'."""
         self.items.append((rid, ids))
         if self.due is None:
-            self.due = asyncio.get_running_loop().call_soon(self.flush)
+            loop = self.loop
+            if loop is None:  # once: get_running_loop costs a getpid() per call on 3.11
+                loop = self.loop = asyncio.get_running_loop()
+            self.due = loop.call_soon(self.flush)
 
     def flush(self) -> None:
         if self.due is not None:
