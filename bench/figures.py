@@ -41,7 +41,8 @@ class Figure:
     claim: str | None = None
 
 
-_SBS = "side-by-side-*.json"
+_SBS = "side-by-side-2*.json"  # 2 running per server, flood 24, 30 s (the default setting)
+_SBS4 = "side-by-side-r4f16-*.json"  # 4 running per server, flood 16, 40 s
 _KV = "kv-decoder-*-after.json"
 _ADM = "sglang-live-admission-*-after-churn.json"
 _BICACHE = "bros-bicache-20*.json"
@@ -81,13 +82,24 @@ def _adm(case: str, ref: str, waiting: str) -> tuple[str, str]:
     return (f"[case={case}].~{waiting}.p50_ms", f"[case={ref}].~{waiting}.p50_ms")
 
 
+def _side_by_side(key: str, files: str, setting: str) -> list[Figure]:
+    name = f"Side by side ({setting}): "
+    return [
+        Figure(f"{key}-tokens", name + "tokens served, ours ÷ SGLang's stack", files,
+               "ratios.ours.tokens", unit="×", target=(">=", 0.95)),
+        Figure(f"{key}-relay-cpu", name + "relay CPU per streamed token, ours ÷ gateway", files,
+               "ratios.ours.relay_cpu_per_token", unit="×", target=("<=", 2.0)),
+        Figure(f"{key}-victim-p99", name + "victim TTFT P99, ours ÷ SGLang's stack", files,
+               "ratios.ours.victim_ttft_p99", fmt="{:.1f}", unit="×", target=("<=", 0.5)),
+        Figure(f"{key}-victim-tokens", name + "victim's tokens served, ours ÷ SGLang's stack",
+               files, "ratios.ours.victim_tokens", unit="×"),
+    ]  # fmt: skip
+
+
 FIGURES: list[Figure] = [
-    Figure("sbs-tokens", "Side by side: tokens served, ours ÷ SGLang's stack", _SBS,
-           "ratios.ours.tokens", unit="×", target=(">=", 0.95)),
-    Figure("sbs-relay-cpu", "Side by side: relay CPU per streamed token, ours ÷ gateway", _SBS,
-           "ratios.ours.relay_cpu_per_token", unit="×", target=("<=", 2.0)),
-    Figure("sbs-victim-p99", "Side by side: victim TTFT P99, ours ÷ SGLang's stack", _SBS,
-           "ratios.ours.victim_ttft_p99", fmt="{:.1f}", unit="×", target=("<=", 0.5)),
+    *(fig for key, files, setting in (("sbs", _SBS, "2 running/server, flood 24"),
+                                       ("sbs4", _SBS4, "4 running/server, flood 16"))
+      for fig in _side_by_side(key, files, setting)),
     Figure("kv-gc", "KV decoder: full gc.collect() with 1M cached tokens", _KV,
            "gc_collect_ms", fmt="{:.1f}", unit=" ms", target=("<=", 20.0)),
     Figure("kv-bytes", "KV decoder: memory per cached token", _KV,
@@ -194,6 +206,9 @@ STORED: dict[str, dict[str, str]] = {
     "sglang-live-admission-2026-11-29-after-churn.json": {"commit": "a296f23", "machine": EPYC},
     "replica-ledger-2026-11-29-before.json": {"commit": "08cd15f", "machine": EPYC},
     "side-by-side-2026-11-29.json": {"commit": "c6b1bd7", "machine": EPYC},
+    "side-by-side-2026-11-29b.json": {"commit": "392194c", "machine": EPYC},
+    "side-by-side-r4f16-2026-11-29.json": {"commit": "392194c", "machine": EPYC},
+    "side-by-side-r4f16-2026-11-29b.json": {"commit": "836a082", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [

@@ -29,6 +29,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -60,6 +61,8 @@ class Telemetry:
         self._named_tenants = frozenset(tenants)  # a tenants file's: always labelled
         self._tenants: set[str] = set()
         r = self.registry = CollectorRegistry()
+        # process_cpu_seconds_total & co.: the router's own core (its bridges run on it)
+        ProcessCollector(registry=r)
         p = "sgl_fair_"
         self.requests = Counter(
             p + "tenant_requests", "Requests by tenant and outcome", ["tenant", "outcome"],
