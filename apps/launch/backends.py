@@ -206,9 +206,9 @@ class SGLangBackend(Backend):
     features = EngineFeatures(passthrough=True)
     kv_allocator = False
     sglang_servers = True
-    # SGLang's own scheduler and model run the requests: no simulated GPU, clock or EOS, and
-    # no share guard (the plugin orders SGLang's queue; SGLang retracts by its own rule)
-    ignores = ("gpu", "time_scale", "sim_eos", "share_guard")
+    # SGLang's own scheduler and model run the requests: no simulated GPU, clock or EOS (the
+    # share guard runs through SGLang's priority preemption: worker/sglang/share_preempt.py)
+    ignores = ("gpu", "time_scale", "sim_eos")
 
     def implied_by(self, a: argparse.Namespace) -> bool:
         return bool(a.worker_url)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sgl_fair.config import TenantTable
-from sgl_fair.launch.config import LaunchConfig, local_policy_opts
+from sgl_fair.launch.config import LaunchConfig, local_policy_opts, share_guard_on
 from sgl_fair.launch.ports import free_ports
 from sgl_fair.launch.workers import Workers
 from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess, WatchedWorker
@@ -200,6 +200,11 @@ def sglang_server_command(
         # BROS inside SGLang: the bridges send RT/BE as `priority`; SGLang then lets a waiting
         # RT request preempt running BE ones, and retracts BE first when KV runs out.
         argv += ["--enable-priority-scheduling", "--retraction-policy", "priority"]
+    elif share_guard_on(cfg):
+        # The share guard (worker/sglang/share_preempt.py): a waiting client below its share
+        # of the running batch preempts the newest of the largest holder's requests, through
+        # SGLang's priority preemption (the plugin sets the priorities).
+        argv += ["--enable-priority-scheduling"]
     argv += cfg.sglang_args
     env = dict(os.environ if environ is None else environ)
     env.update(PluginSettings(cfg.schedule_policy, local_policy_opts(cfg, tenants)).env())

@@ -96,6 +96,22 @@ def test_server_commands_place_ranks_publish_kv_events_and_pass_flags_through(te
         assert "SGLANG_PLUGINS" not in env
 
 
+@pytest.mark.parametrize(
+    ("policy", "guard", "on"),
+    [("vtc", None, True), ("dlpm", None, True), ("fcfs", None, False), ("vtc", "off", False),
+     ("fcfs", "on", True)],
+)  # fmt: skip
+def test_the_share_guard_is_sglangs_priority_preemption(policy, guard, on):
+    """A fair policy's servers run SGLang's priority scheduling (the plugin's share guard
+    preempts through it: worker/sglang/share_preempt.py); --share-guard off, or a baseline,
+    leaves SGLang's admission without preemption."""
+    args = ["--backend", "sglang", "--model-path", "/m", "--schedule-policy", policy]
+    cfg = parse_config([*args, *(["--share-guard", guard] if guard else [])])
+    argv, _env = sglang_server_command(cfg, 0, 31000, 31001)
+    assert ("--enable-priority-scheduling" in argv) is on
+    assert "--retraction-policy" not in argv  # that is BROS's (its classes' priorities)
+
+
 def test_optional_flags_and_a_plugin_whitelist():
     cfg = parse_config(
         ["--backend", "sglang", "--model-path", "m", "--context-length", "4096",
@@ -188,8 +204,6 @@ def test_sim_is_unchanged():
          "--sim-eos: --backend sglang does not use it"),
         (["--worker-url", "http://a:1", "--gpu", "A10G-24GB"],
          "--gpu: --backend sglang does not use it"),
-        (["--worker-url", "http://a:1", "--share-guard", "on"],
-         "--share-guard: --backend sglang does not use it"),
         (["--backend", "sglang", "--model-path", "m", "--kv-allocator", "paged"],
          "--kv-allocator: SGLang servers allocate their own KV"),
         (["--kv-allocator-opt", "block_size=8"],

@@ -35,19 +35,21 @@ def test_sglang_parses_the_server_command():
 def test_bros_runs_sglangs_priority_scheduling_and_its_bridges_send_the_class():
     """``--schedule-policy bros`` on SGLang: the servers run priority scheduling (a waiting RT
     request may preempt running BE ones) and retract by priority (BE first), and the
-    bridges send each request's class as ``priority``; other policies change neither."""
+    bridges send each request's class as ``priority``. A fair policy's servers run priority
+    scheduling for the share guard (not with ``--share-guard off``), and nothing else."""
     from sglang.srt.server_args import ServerArgs
 
     from sgl_fair.launch.sglang import bridge_configs
 
     base = ["--backend", "sglang", "--model-path", "/models/tiny"]
-    for policy, on in (("bros", True), ("vtc", False)):
-        cfg = parse_config([*base, "--schedule-policy", policy])
+    for policy, on, guard in (("bros", True, True), ("vtc", False, True), ("vtc", False, False)):
+        flags = [] if guard else ["--share-guard", "off"]
+        cfg = parse_config([*base, "--schedule-policy", policy, *flags])
         argv, env = sglang_server_command(cfg, 0, 31000, 32000)
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(argv[3:])
-        assert ns.enable_priority_scheduling is on
+        assert ns.enable_priority_scheduling is guard
         assert (ns.retraction_policy == "priority") is on
         assert env["SGLFAIR_SCHEDULE_POLICY"] == policy
         [b] = bridge_configs(cfg, "ipc:///tmp/x", ["http://127.0.0.1:31000"], [None])

@@ -55,6 +55,7 @@ from sgl_fair.worker.sglang import shadow_events
 from sgl_fair.worker.sglang.hook_errors import HookErrors
 from sgl_fair.worker.sglang.ledger import Ledger
 from sgl_fair.worker.sglang.profile import record_drain
+from sgl_fair.worker.sglang.share_preempt import SharePreemption
 
 log = logging.getLogger("sgl_fair.sglang")
 
@@ -147,6 +148,11 @@ class FairSchedulePolicy(SchedulePolicy):
         self.num_capped = 0  # prefix lengths not matched this pass: past the bound
         self.exact_cap: int | None = EXACT_MATCHES_PER_PASS  # None: every one (an oracle)
         self.errors = HookErrors()  # our hooks' failures, per hook (hook_errors.py)
+        # The share guard through SGLang's priority preemption (share_preempt.py): set by the
+        # plugin where the policy shares running slots and the server preempts by priority.
+        self.share: SharePreemption | None = None
+        self._running_batch: Any = None
+        self._adder: Any = None  # this pass's PrefillAdder, once SGLang has used it
         # Prefix matches for the policy: memoised against a shadow of the cache (shadow.py)
         # where the cache is one it can follow, else SGLang's own match_prefix.
         self.shadow: shadow_mod.ShadowCache | None = None  # or its EventShadow subclass
@@ -221,6 +227,8 @@ class FairSchedulePolicy(SchedulePolicy):
         self._shadow_on = self.shadow is not None and not envs.SGLANG_RADIX_FORCE_MISS.get()
         if self._shadow_on:
             self.shadow.begin_pass(waiting_queue)
+        self._running_batch = running_batch
+        self._adder = None
         self._queue = waiting_queue
         self._walk = self.fair.order(mirrors, _View(self, running, groups))
         self.num_walks += 1
@@ -247,11 +255,14 @@ class FairSchedulePolicy(SchedulePolicy):
         """What the scheduler's internal state shows of the plugin (``plugin.py``)."""
         return {"policy": self.fair.name, "hook_errors": dict(self.errors.counts),
                 "held": len(self.ledger), "rejected": self.ledger.num_rejected,
-                "shadow": self.shadow is not None}  # fmt: skip
+                "shadow": self.shadow is not None,
+                "share_preemptions_marked": None if self.share is None
+                else self.share.num_marked}  # fmt: skip
 
     def after_add_one_req(self, adder: Any, req: Req, result: AddReqResult) -> None:
         """``PrefillAdder.add_one_req`` returned: charge an admission, place the next choice."""
         admitted = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+        self._adder = adder
         if admitted:
             extend = len(req.full_untruncated_fill_ids) - int(req.prefix_len)
             self.ledger.admitted(req, extend)
@@ -308,6 +319,10 @@ class FairSchedulePolicy(SchedulePolicy):
             queue.insert(pos, queue.pop(j))
         self._pos = pos
         self._expect = req
+        share, batch = self.share, self._running_batch
+        if share is not None and batch is not None and batch.reqs:
+            adder = self._adder
+            share.mark(req, batch.reqs, adder.can_run_list if adder is not None else ())
 
     def _restart_walk(self, pos: int) -> None:
         assert self._queue is not None
@@ -318,6 +333,8 @@ class FairSchedulePolicy(SchedulePolicy):
         self._place_next(pos)
 
     def _close_walk(self, keep_queue: bool = False) -> None:
+        if self.share is not None:
+            self.share.restore()  # before SGLang queues what it preempted again
         walk = self._walk
         self._walk = None
         self._expect = None

@@ -116,12 +116,41 @@ def install_policy(scheduler: Any, settings: PluginSettings) -> Any:
         enable_hierarchical_cache=bool(getattr(scheduler, "enable_hierarchical_cache", False)),
         low_priority_first=bool(getattr(scheduler, "schedule_low_priority_values_first", False)),
     )
+    scheduler.policy.share = share_preemption(scheduler, scheduler.policy)
     log.info(  # SGLang's log prefix names the rank
-        "sgl-fair plugin on: local policy %s, options %s",
+        "sgl-fair plugin on: local policy %s, options %s, share guard %s",
         settings.policy,
         json.dumps(settings.opts, sort_keys=True),
+        "on" if scheduler.policy.share is not None else "off",
     )
     return scheduler.policy
+
+
+def share_preemption(scheduler: Any, fair: Any) -> Any:
+    """The share guard (``share_preempt.py``) on a server that preempts by priority
+    (``--enable-priority-scheduling``: the launcher's default for the policies that share
+    running slots, VTC, DLPM and FairServe, and with ``--share-guard on`` for any); else None.
+    A policy that orders by class (BROS) sends its own priorities and takes none."""
+    from sgl_fair.policies import PolicyTraits
+    from sgl_fair.policies.base import PolicyCaps
+    from sgl_fair.worker.sglang.share_preempt import SharePreemption
+
+    traits = PolicyTraits.of(type(fair.fair))
+    if traits.uses_service_classes:
+        return None
+    if not getattr(scheduler, "enable_priority_preemption", False):
+        return None
+    caps = PolicyCaps.of(fair.fair)
+    mirror = fair.ledger.mirror
+    return SharePreemption(
+        lambda req: m.client if (m := mirror(req)) is not None else None,
+        threshold=int(getattr(scheduler, "priority_scheduling_preemption_threshold", 10)),
+        low_priority_first=bool(getattr(scheduler, "schedule_low_priority_values_first", False)),
+        slots=int(getattr(scheduler, "max_running_requests", 0) or 1),
+        kv_capacity=int(getattr(scheduler, "max_total_num_tokens", 0) or 1),
+        weights=caps.weights,
+        service_received=caps.service_received,
+    )
 
 
 def tp_ranks() -> int:

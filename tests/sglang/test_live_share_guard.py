@@ -1,0 +1,94 @@
+"""The share guard inside a real SGLang 0.5.23 server (``worker/sglang/share_preempt.py``).
+
+``--max-running-requests 2``: the flood's two long requests hold both running slots when the
+victim's short one arrives. Without preemption the victim cannot start before one of them
+finishes (their 300 tokens take seconds on this CPU), whatever the queue's order. With VTC
+and SGLang's priority scheduling (``--enable-priority-scheduling``, the launcher's default for
+a fair policy), the plugin marks the newest flood request for SGLang to preempt: the victim
+is served while both flood requests still run, and both still end with every token asked
+(the preempted one resumes; the ledger counts it retracted, not new).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import live_rig
+import pytest
+
+from sgl_fair.worker.sglang.settings import PluginSettings
+
+pytestmark = [pytest.mark.sglang_server, pytest.mark.slow]
+
+ARGS = ("--max-running-requests", "2", "--chunked-prefill-size", "512")
+FLOOD_TOKENS = 300
+
+
+def _server(tiny_model, tmp_path, args):
+    env = live_rig.server_env(extra=PluginSettings("vtc", {}).env())
+    return live_rig.SGLangServer(tiny_model, tmp_path / "sglang-vtc.log", args=args, env=env)
+
+
+async def _call(http, url, client, n_out, tag):
+    body = {
+        "text": f"Once upon a time {client} {tag}",
+        "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0},
+        "routing_key": client,
+    }
+    r = await http.post(url + "/generate", json=body, timeout=300)
+    return client, time.monotonic(), r
+
+
+async def _until_running(http, url, n, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = await http.get(url + "/v1/loads?include=core", timeout=10)
+        if sum(int(x.get("num_running_reqs", 0)) for x in r.json()["loads"]) >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never {n} running")
+
+
+async def _flood_then_victim(url):
+    async with httpx.AsyncClient() as http:
+        flood = [asyncio.create_task(_call(http, url, "flood", FLOOD_TOKENS, i)) for i in (1, 2)]
+        await _until_running(http, url, 2)
+        await asyncio.sleep(0.3)  # both decode
+        victim = await _call(http, url, "victim", 8, 0)
+        flood_done = await asyncio.gather(*flood)
+        info = (await http.get(url + "/server_info", timeout=10)).json()
+    return victim, flood_done, info
+
+
+def _plugin_report(info):
+    for state in info.get("internal_states", []):
+        if "sgl_fair" in state:
+            return state["sgl_fair"]
+    raise AssertionError(f"no plugin report in {list(info)}")
+
+
+def test_a_waiting_client_preempts_the_flood_holding_every_slot(tiny_model, tmp_path):
+    args = (*ARGS, "--enable-priority-scheduling")
+    with _server(tiny_model, tmp_path, args) as server:
+        victim, flood, info = asyncio.run(_flood_then_victim(server.url))
+    _, t_victim, r = victim
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 8
+    for _, t, rf in flood:
+        assert rf.status_code == 200, rf.text
+        assert rf.json()["meta_info"]["completion_tokens"] == FLOOD_TOKENS  # resumed whole
+        assert t_victim < t  # served while both flood requests still ran
+    report = _plugin_report(info)
+    assert report["share_preemptions_marked"] >= 1, report
+    assert report["held"] == 0 and report["hook_errors"] == {}, report  # the ledger is empty
+
+
+def test_without_priority_scheduling_the_guard_is_off(tiny_model, tmp_path):
+    """The same server without SGLang's priority scheduling: the plugin has no way to
+    preempt, says so (None), and the victim waits for a flood request to finish."""
+    with _server(tiny_model, tmp_path, ARGS) as server:
+        victim, flood, info = asyncio.run(_flood_then_victim(server.url))
+    assert _plugin_report(info)["share_preemptions_marked"] is None
+    assert victim[1] > min(t for _, t, _ in flood)

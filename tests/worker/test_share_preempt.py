@@ -1,0 +1,82 @@
+"""The share guard's rule inside SGLang (``worker/sglang/share_preempt.py``), on requests with
+SGLang's fields (priority, prompt, output, finished); the live server test
+(``tests/sglang/test_live_share_guard.py``) shows SGLang preempting what it marks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from sgl_fair.worker.sglang.share_preempt import SharePreemption
+
+DEFAULT = -(2**63)  # SGLang's default priority with priority scheduling on
+
+
+@dataclass(eq=False)
+class Req:
+    client: str
+    out: int = 0
+    prompt: int = 10
+    priority: int = DEFAULT
+    done: bool = False
+    origin_input_ids: list = field(default_factory=list)
+    output_ids: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.origin_input_ids = [1] * self.prompt
+        self.output_ids = [2] * self.out
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def guard(slots=2, low_first=False, **kw) -> SharePreemption:
+    return SharePreemption(lambda r: r.client, threshold=10, low_priority_first=low_first,
+                           slots=slots, kv_capacity=100_000, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_a_client_with_no_slot_marks_the_floods_least_advanced_request(low_first):
+    g = guard(low_first=low_first)
+    old, new = Req("flood", out=50), Req("flood", out=5)
+    victim = Req("victim")
+    assert g.mark(victim, [old, new]) is new
+    assert victim.priority == old.priority == 0
+    assert new.priority == (11 if low_first else -11)  # worse than the victim's by T + 1
+    diff = (victim.priority - new.priority) * (-1 if low_first else 1)  # SGLang's test
+    assert diff > 10 and (victim.priority - old.priority) == 0  # only `new` is preemptible
+    g.restore()
+    assert victim.priority == old.priority == new.priority == DEFAULT
+
+
+def test_no_move_that_would_reverse_the_order_it_corrects():
+    g = guard()
+    flood, victim = Req("flood"), Req("victim")
+    # one slot each: the flood's next request takes nothing from the victim (or back)
+    assert g.mark(Req("flood"), [flood, victim]) is None
+    assert g.mark(Req("third"), [flood, victim]) is None  # 2 slots, 3 clients: one waits
+    assert flood.priority == victim.priority == DEFAULT  # nothing marked
+    g4 = guard(slots=4)
+    run = [Req("flood") for _ in range(3)] + [Req("victim")]
+    assert g4.mark(Req("victim"), run) is not None  # 3:1 -> 2:2, level: allowed
+    even = [Req("flood"), Req("flood"), Req("victim"), Req("victim")]
+    assert g4.mark(Req("victim"), even) is None  # 2:2 -> 1:3 would reverse it
+    assert g4.mark(Req("other"), even) is not None  # a client with none gets one
+
+
+def test_weights_and_the_policys_service_measure_decide_too():
+    run = [Req("heavy"), Req("heavy")]
+    assert guard(weights={"heavy": 4.0}).mark(Req("light"), run) is None  # heavy's share is small
+    served = {"heavy": 10.0, "light": 50.0}
+    assert guard(service_received=served.__getitem__).mark(Req("light"), run) is None
+    served["light"] = 5.0
+    assert guard(service_received=served.__getitem__).mark(Req("light"), run) is not None
+
+
+def test_finished_requests_and_strangers_hold_nothing():
+    g = guard()
+    done = Req("flood", done=True)
+    assert g.mark(Req("victim"), [done, Req("flood")]) is None  # the flood holds one slot
+    assert SharePreemption(lambda r: None, threshold=0, low_priority_first=False, slots=2,
+                           kv_capacity=1).mark(Req("x"), [Req("y"), Req("y")]) is None  # fmt: skip
