@@ -91,6 +91,9 @@ def _side_by_side(key: str, files: str, setting: str) -> list[Figure]:
                "ratios.ours.relay_cpu_per_token", unit="×", target=("<=", 2.0)),
         Figure(f"{key}-victim-p99", name + "victim TTFT P99, ours ÷ SGLang's stack", files,
                "ratios.ours.victim_ttft_p99", fmt="{:.1f}", unit="×", target=("<=", 0.5)),
+        Figure(f"{key}-victim-p50", name + "victim TTFT P50, ours ÷ SGLang's stack", files,
+               ("ours.tenants.victim.ttft_p50_s", "sglang.tenants.victim.ttft_p50_s"),
+               unit="×"),
         Figure(f"{key}-victim-tokens", name + "victim's tokens served, ours ÷ SGLang's stack",
                files, "ratios.ours.victim_tokens", unit="×"),
     ]  # fmt: skip
@@ -209,6 +212,8 @@ STORED: dict[str, dict[str, str]] = {
     "side-by-side-2026-11-29b.json": {"commit": "392194c", "machine": EPYC},
     "side-by-side-r4f16-2026-11-29.json": {"commit": "392194c", "machine": EPYC},
     "side-by-side-r4f16-2026-11-29b.json": {"commit": "836a082", "machine": EPYC},
+    "side-by-side-2026-11-29c.json": {"commit": "2ab9411", "machine": EPYC},
+    "side-by-side-r4f16-2026-11-29c.json": {"commit": "2ab9411", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [
