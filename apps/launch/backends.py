@@ -198,6 +198,20 @@ class TorchBackend(Backend):
 _URL = re.compile(r"https?://[^/\s]+(/\S*)?")
 
 
+def _public_ip(endpoint: str) -> bool:
+    """Whether a ``tcp://HOST:PORT`` endpoint names a public IP address (a host name is not
+    resolved here: only what the flag itself says)."""
+    import ipaddress
+
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_global
+    except ValueError:
+        return False
+
+
 class SGLangBackend(Backend):
     name = "sglang"
     # None: SGLang sizes both per GPU; the launcher passes them only when the user gave them
@@ -245,6 +259,12 @@ class SGLangBackend(Backend):
         for ep in kv:
             if not ep.startswith(("tcp://", "ipc://")):
                 bad(f"--worker-kv-endpoint {ep!r} is not a zmq tcp:// or ipc:// endpoint")
+            if _public_ip(ep):
+                bad(
+                    f"--worker-kv-endpoint {ep}: a public address, and SGLang's KV events are "
+                    "plaintext zmq anyone there can publish to or read; publish them on "
+                    "loopback or a private network (docs/operators.md)"
+                )
         replay = a.worker_kv_replay_endpoint
         if replay and len(replay) != len(kv):
             bad(

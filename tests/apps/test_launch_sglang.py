@@ -97,6 +97,15 @@ def test_server_commands_place_ranks_publish_kv_events_and_pass_flags_through(te
 
 
 @pytest.mark.parametrize(
+    "ep", ["tcp://127.0.0.1:5557", "tcp://10.0.3.4:5557", "tcp://[::1]:5557",
+           "tcp://sglang-0.svc:5557", "ipc:///tmp/kv"],
+)  # fmt: skip
+def test_loopback_private_and_named_kv_endpoints_are_taken(ep):
+    cfg = parse_config(["--worker-url", "http://a:1", "--worker-kv-endpoint", ep])
+    assert cfg.worker_kv_endpoints == (ep,)
+
+
+@pytest.mark.parametrize(
     ("policy", "guard", "on"),
     [("vtc", None, True), ("dlpm", None, True), ("fcfs", None, False), ("vtc", "off", False),
      ("fcfs", "on", True)],
@@ -200,6 +209,10 @@ def test_sim_is_unchanged():
         (["--torch-dtype", "float16"], "--torch-dtype: only with --backend torch"),
         (["--backend", "sglang", "--model-path", "m", "--time-scale", "2"],
          "--time-scale: --backend sglang does not use it"),
+        (["--worker-url", "http://a:1", "--worker-kv-endpoint", "tcp://8.8.8.8:5557"],
+         "--worker-kv-endpoint tcp://8.8.8.8:5557: a public address"),
+        (["--worker-url", "http://a:1", "--worker-kv-endpoint", "tcp://[2001:4860::1]:5557"],
+         "a public address"),
         (["--worker-url", "http://a:1", "--sim-eos", "off"],
          "--sim-eos: --backend sglang does not use it"),
         (["--worker-url", "http://a:1", "--gpu", "A10G-24GB"],
