@@ -211,12 +211,32 @@ if __name__ == "__main__":  # make demo-sglang: write the tiny model into the fo
     print(write_tiny_llama(Path(sys.argv[1])))
 
 
-async def until_queued(http: httpx.AsyncClient, url: str, n: int, timeout_s: float = 30.0) -> None:
-    """Until the SGLang server at ``url`` holds ``n`` requests waiting (its ``/v1/loads``)."""
+async def until_loads(
+    http: httpx.AsyncClient, url: str, field: str, n: int, timeout_s: float = 30.0
+) -> None:
+    """Until the SGLang server at ``url`` counts ``n`` requests in ``field`` of its
+    ``/v1/loads`` (``num_waiting_reqs``, ``num_running_reqs``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         r = await http.get(url + "/v1/loads?include=core", timeout=10)
-        if sum(int(x.get("num_waiting_reqs", 0)) for x in r.json()["loads"]) >= n:
+        if sum(int(x.get(field, 0)) for x in r.json()["loads"]) >= n:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"the flood never queued {n} requests in SGLang")
+    raise AssertionError(f"SGLang never had {n} requests in {field}")
+
+
+async def until_queued(http: httpx.AsyncClient, url: str, n: int, timeout_s: float = 30.0) -> None:
+    """Until the SGLang server at ``url`` holds ``n`` requests waiting (its ``/v1/loads``)."""
+    await until_loads(http, url, "num_waiting_reqs", n, timeout_s)
+
+
+async def generate(http: httpx.AsyncClient, url: str, client: str, n_out: int, tag: object):
+    """One ``/generate`` of ``n_out`` tokens for ``client`` (its ``routing_key``); returns
+    ``(client, when it ended, the response)``."""
+    body = {
+        "text": f"Once upon a time {client} {tag}",
+        "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0},
+        "routing_key": client,
+    }
+    r = await http.post(url + "/generate", json=body, timeout=300)
+    return client, time.monotonic(), r

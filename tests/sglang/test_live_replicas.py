@@ -53,14 +53,9 @@ def replicas(tiny_model, tmp_path_factory):
 
 
 async def _generate(http, url, client, n_out, i):
-    body = {
-        "text": f"Once upon a time {client} {i}",
-        "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0},
-        "routing_key": client,
-    }
-    r = await http.post(url + "/generate", json=body, timeout=300)
+    client, t, r = await live_rig.generate(http, url, client, n_out, i)
     assert r.status_code == 200, r.text
-    return client, time.monotonic()
+    return client, t
 
 
 def test_both_replicas_serve_through_the_one_server(replicas):

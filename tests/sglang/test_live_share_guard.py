@@ -12,7 +12,6 @@ is served while both flood requests still run, and both still end with every tok
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import live_rig
@@ -31,32 +30,15 @@ def _server(tiny_model, tmp_path, args):
     return live_rig.SGLangServer(tiny_model, tmp_path / "sglang-vtc.log", args=args, env=env)
 
 
-async def _call(http, url, client, n_out, tag):
-    body = {
-        "text": f"Once upon a time {client} {tag}",
-        "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0},
-        "routing_key": client,
-    }
-    r = await http.post(url + "/generate", json=body, timeout=300)
-    return client, time.monotonic(), r
-
-
-async def _until_running(http, url, n, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = await http.get(url + "/v1/loads?include=core", timeout=10)
-        if sum(int(x.get("num_running_reqs", 0)) for x in r.json()["loads"]) >= n:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never {n} running")
-
-
 async def _flood_then_victim(url):
     async with httpx.AsyncClient() as http:
-        flood = [asyncio.create_task(_call(http, url, "flood", FLOOD_TOKENS, i)) for i in (1, 2)]
-        await _until_running(http, url, 2)
+        flood = [
+            asyncio.create_task(live_rig.generate(http, url, "flood", FLOOD_TOKENS, i))
+            for i in (1, 2)
+        ]
+        await live_rig.until_loads(http, url, "num_running_reqs", 2, 60.0)
         await asyncio.sleep(0.3)  # both decode
-        victim = await _call(http, url, "victim", 8, 0)
+        victim = await live_rig.generate(http, url, "victim", 8, 0)
         flood_done = await asyncio.gather(*flood)
         info = (await http.get(url + "/server_info", timeout=10)).json()
     return victim, flood_done, info
