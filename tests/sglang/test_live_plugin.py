@@ -59,27 +59,36 @@ FLOOD = 24  # flood requests, 32 output tokens each; the victim sends 3 of 8
 
 async def _flood_then_victim(url: str, *, victim_priority=None, flood_priority=None):
     """Finish times in order, [(client, t)], for the flood's requests then the victim's (sent
-    once the flood is queued in SGLang: a ("sent", t) entry marks when), and the retractions
-    SGLang reported for them."""
+    once the flood is queued in SGLang: a ("sent", t) entry marks when the first victim
+    request reached the server), and the retractions SGLang reported for them.
+
+    The times are SGLang's own (``response_sent_to_client_ts``, wall clock, and that less
+    ``e2e_latency`` for an arrival), not when this client's loop got to a response: on a busy
+    machine the loop may take several finished responses at once, late, and a flood request
+    the server finished before the victim arrived would count as finished after it."""
     async with httpx.AsyncClient() as http:
         flood = [
             asyncio.create_task(_generate(http, url, "flood", 32, priority=flood_priority))
             for _ in range(FLOOD)
         ]
         await live_rig.until_queued(http, url, FLOOD // 2)
-        sent = time.monotonic()
         victim = [
             asyncio.create_task(_generate(http, url, "victim", 8, priority=victim_priority))
             for _ in range(3)
         ]
         done = await asyncio.gather(*flood, *victim)
     retractions = 0
+    finished: list[tuple[str, float]] = []
+    arrived: list[float] = []
     for client, _, r in done:
         assert r.status_code == 200, r.text
         meta = r.json()["meta_info"]
         assert meta["completion_tokens"] == (32 if client == "flood" else 8), meta
         retractions += int(meta.get("num_retractions") or 0)
-    order = sorted([("sent", sent), *((c, t) for c, t, _ in done)], key=lambda x: x[1])
+        finished.append((client, float(meta["response_sent_to_client_ts"])))
+        if client == "victim":
+            arrived.append(finished[-1][1] - float(meta["e2e_latency"]))
+    order = sorted([("sent", min(arrived)), *finished], key=lambda x: x[1])
     return order, retractions
 
 
