@@ -72,9 +72,15 @@ class Shares:
 
     def share(self, client: ClientId, tokens: int = 0, requests: int = 0) -> float:
         """``client``'s share with ``tokens``/``requests`` more (negative: fewer)."""
-        kv = (self.kv.get(client, 0) + tokens) / self.capacity
-        slots = (self.count.get(client, 0) + requests) / self.slots
-        return max(kv, slots) / self.weight(client)
+        return dominant_share(self.count.get(client, 0) + requests, self.slots,
+                              self.kv.get(client, 0) + tokens, self.capacity,
+                              self.weight(client))  # fmt: skip
+
+
+def dominant_share(requests: int, slots: int, kv: int, capacity: int, weight: float) -> float:
+    """A client's share: the larger of its share of running slots and of KV, ÷ its weight
+    (the SGLang plugin's guard, ``worker/sglang/share_preempt.py``, uses it too)."""
+    return max(requests / slots, kv / capacity) / weight
 
 
 def decode_victim(sched: SchedulerCore, pool: Sequence[Request]) -> Request:

@@ -202,7 +202,7 @@ def sglang_server_command(
         argv += ["--enable-priority-scheduling", "--retraction-policy", "priority"]
     elif share_guard_on(cfg):
         # The share guard (worker/sglang/share_preempt.py): a waiting client below its share
-        # of the running batch preempts the newest of the largest holder's requests, through
+        # of the running batch preempts the largest holder's least advanced request, through
         # SGLang's priority preemption (the plugin sets the priorities).
         argv += ["--enable-priority-scheduling"]
     argv += cfg.sglang_args

@@ -4,7 +4,7 @@
 victim's short one arrives. Without preemption the victim cannot start before one of them
 finishes (their 300 tokens take seconds on this CPU), whatever the queue's order. With VTC
 and SGLang's priority scheduling (``--enable-priority-scheduling``, the launcher's default for
-a fair policy), the plugin marks the newest flood request for SGLang to preempt: the victim
+a fair policy), the plugin marks a flood request for SGLang to preempt: the victim
 is served while both flood requests still run, and both still end with every token asked
 (the preempted one resumes; the ledger counts it retracted, not new).
 """

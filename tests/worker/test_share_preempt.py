@@ -74,6 +74,11 @@ def test_weights_and_the_policys_service_measure_decide_too():
     assert guard(service_received=served.__getitem__).mark(Req("light"), run) is not None
 
 
+def test_nothing_is_marked_while_a_slot_is_free():
+    assert guard(slots=3).mark(Req("victim"), [Req("flood"), Req("flood")]) is None
+    assert guard(slots=3).mark(Req("victim"), [Req("flood"), Req("flood")], [Req("x")]) is not None
+
+
 def test_finished_requests_and_strangers_hold_nothing():
     g = guard()
     done = Req("flood", done=True)

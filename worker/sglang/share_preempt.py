@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sgl_fair.request import ClientId
+from sgl_fair.worker.share_guard import dominant_share
 
 
 class SharePreemption:
@@ -64,16 +65,16 @@ class SharePreemption:
         self.num_marked = 0  # times a victim was marked (SGLang preempts it if room follows)
 
     def _share(self, count: int, kv: int, client: ClientId) -> float:
-        slots = count / self.slots
-        return max(slots, kv / self.kv_capacity) / self.weights.get(client, 1.0)
+        weight = self.weights.get(client, 1.0)
+        return dominant_share(count, self.slots, kv, self.kv_capacity, weight)
 
     def mark(self, req: Any, running: Sequence[Any], admitted: Sequence[Any] = ()) -> Any:
         """Mark the victim ``req`` may preempt among ``running`` (SGLang's running batch;
         ``admitted``: the requests this pass already admitted); returns it, or None."""
         self.restore()
         c = self.client_of(req)
-        if c is None or not running:
-            return None
+        if c is None or len(running) + len(admitted) < self.slots:
+            return None  # a free slot: SGLang preempts only for a full batch
         count: dict[ClientId, int] = {}
         kv: dict[ClientId, int] = {}
         pool: dict[ClientId, list[Any]] = {}
