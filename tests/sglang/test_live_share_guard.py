@@ -30,16 +30,24 @@ def _server(tiny_model, tmp_path, args):
     return live_rig.SGLangServer(tiny_model, tmp_path / "sglang-vtc.log", args=args, env=env)
 
 
-async def _flood_then_victim(url):
+async def _flood_then_victim(url, backlog=0):
+    """The flood's two requests running (and ``backlog`` more of its queued behind them), then
+    the victim's; the flood's running two end last in ``flood_done``."""
     async with httpx.AsyncClient() as http:
         flood = [
             asyncio.create_task(live_rig.generate(http, url, "flood", FLOOD_TOKENS, i))
             for i in (1, 2)
         ]
         await live_rig.until_loads(http, url, "num_running_reqs", 2, 60.0)
+        queued = [
+            asyncio.create_task(live_rig.generate(http, url, "flood", 8, 10 + i))
+            for i in range(backlog)
+        ]
+        if backlog:
+            await live_rig.until_loads(http, url, "num_waiting_reqs", backlog, 60.0)
         await asyncio.sleep(0.3)  # both decode
         victim = await live_rig.generate(http, url, "victim", 8, 0)
-        flood_done = await asyncio.gather(*flood)
+        flood_done = [*await asyncio.gather(*queued), *await asyncio.gather(*flood)]
         info = (await http.get(url + "/server_info", timeout=10)).json()
     return victim, flood_done, info
 
@@ -51,17 +59,24 @@ def _plugin_report(info):
     raise AssertionError(f"no plugin report in {list(info)}")
 
 
-def test_a_waiting_client_preempts_the_flood_holding_every_slot(tiny_model, tmp_path):
+@pytest.mark.parametrize("backlog", [0, 2], ids=["alone", "behind-a-backlog"])
+def test_a_waiting_client_preempts_the_flood_holding_every_slot(tiny_model, tmp_path, backlog):
+    """``behind-a-backlog``: two more flood requests wait, queued before the victim's. The
+    victim, joining, is lifted to the flood's counter: a tie VTC breaks by arrival, so for a
+    pass the flood's queued request is the first choice, and it cannot preempt its own client.
+    The flood's running decodes are charged every step, so the victim's counter is the lower
+    from the next pass on: it is the first choice, and it preempts."""
     args = (*ARGS, "--enable-priority-scheduling")
     with _server(tiny_model, tmp_path, args) as server:
-        victim, flood, info = asyncio.run(_flood_then_victim(server.url))
+        victim, flood, info = asyncio.run(_flood_then_victim(server.url, backlog))
     _, t_victim, r = victim
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 8
-    for _, t, rf in flood:
+    for _, t, rf in flood[backlog:]:
         assert rf.status_code == 200, rf.text
         assert rf.json()["meta_info"]["completion_tokens"] == FLOOD_TOKENS  # resumed whole
         assert t_victim < t  # served while both flood requests still ran
+    assert all(rf.status_code == 200 for _, _, rf in flood[:backlog])
     report = _plugin_report(info)
     assert report["share_preemptions_marked"] >= 1, report
     assert report["held"] == 0 and report["hook_errors"] == {}, report  # the ledger is empty
