@@ -54,6 +54,7 @@ class Admission:
         clip = cfg.clip_max_new_tokens
         reserved_for: dict[frozenset, float] = {}  # by the classes a request may overwrite
         kv = core.kv
+        promised += int(cfg.admission_watermark * kv.capacity_tokens)  # kept free (vLLM's)
         chunks: list[PrefillChunk] = []
         if walk is None:
             walk = core.policy.order(tuple(core.waiting), core)

@@ -45,11 +45,25 @@ class SchedulerConfig:
     # requests of the client holding the most. Off here (the papers' schedulers); the live
     # server turns it on for fair policies.
     share_guard: bool = False
+    # vLLM's engine rules (the BROS paper's engine; ``bros-bicache``'s ``paged-recompute-vllm``
+    # arm), off by default. ``admission_watermark``: a waiting request is admitted
+    # only if the KV pool keeps this share of its tokens free beyond what the request takes
+    # (vLLM's block manager ``watermark``, 0.01 there: ``can_allocate`` is OK only when free
+    # blocks − required blocks ≥ watermark blocks). ``prefill_after_retract=False``: a step that
+    # retracted a running request for KV admits no waiting request (vLLM's ``_schedule_default``
+    # either prefills or decodes, and only its decode pass preempts), so a request preempted for
+    # recompute is admitted again in a later step, when its blocks are free above the watermark.
+    admission_watermark: float = 0.0
+    prefill_after_retract: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunked_prefill_size", "clip_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise ValueError(
+                f"admission_watermark must be in [0, 1) (got {self.admission_watermark})"
+            )
         if not 0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
 

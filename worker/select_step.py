@@ -43,8 +43,11 @@ class SelectStep:
         admit = [r for r in chosen if r.phase is Phase.WAITING]
         if not decode and not admit and sched.chunked is None:
             decode = list(sched.running)  # the policy chose nothing runnable: keep decoding
+        retractions = sched.stats.num_retractions
         decode, swap_in = growth.grow(self._decode_memory(decode))
         cfg = sched.config
+        if not cfg.prefill_after_retract and sched.stats.num_retractions > retractions:
+            admit = []  # vLLM's rule (SchedulerConfig): no admission in a step that preempted
         budget, chunks, promised = cfg.chunked_prefill_size, [], 0
         if sched.chunked is not None:
             chunk = continue_chunked(sched, budget)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sgl_fair.policies import make_policy
@@ -244,14 +244,17 @@ def run_one(
     be_batch: int = BE_BATCH,
     setting: Setting = LLAMA70B,
     count_rt_retractions: bool = False,
+    engine_rules: dict | None = None,
 ) -> dict[str, Any]:
+    """One BROS (or other) run of the hybrid load; ``engine_rules``: ``SchedulerConfig``
+    fields over the setting's (vLLM's rules for ``bros-bicache``'s vLLM arm)."""
     cost_model = setting.cost_model()
     allocator_opts = {"block_size": BLOCK_SIZE}
     sched, engine = make_sim_worker(
         policy=make_policy(policy, **(options or {})),
         cost_model=cost_model,
         kv_tokens=kv_tokens if kv_tokens is not None else setting.pool_tokens(),
-        config=setting.config(),
+        config=replace(setting.config(), **(engine_rules or {})),
         allocator=allocator,
         allocator_opts=allocator_opts,
     )

@@ -87,7 +87,8 @@ def test_bicache_rows_carry_their_arm_and_the_claims_the_papers_figures():
 
     rows = [bb.run_arm(a, 2.0, 2.0, 0, setting=bb.PAPER, be_batch=8) for a in bb.ARM_NAMES]
     assert [r["arm"] for r in rows] == [
-        "bidirectional", "paged-recompute", "paged-retract-be", "paged-wait"
+        "bidirectional", "paged-recompute", "paged-retract-be", "paged-wait",
+        "paged-recompute-vllm",
     ]  # fmt: skip
     for r in rows:
         assert r["setting"] == "paper" and r["admission"] == "prompt" and r["be_batch"] == 8
@@ -95,9 +96,11 @@ def test_bicache_rows_carry_their_arm_and_the_claims_the_papers_figures():
         assert r["rt_unfinished"] == 0 and r["rt_retractions"] >= 0
     summary = bb.summarize(rows, at_rate=2.0)
     claims = summary["claims"]
-    assert len(claims) == 2 and all({"text", "passed", "detail"} <= set(c) for c in claims)
+    assert len(claims) == 4 and all({"text", "passed", "detail"} <= set(c) for c in claims)
     assert "paper: 1.23x" in claims[0]["text"] and "paper: 1.63x" in claims[1]["text"]
-    assert all("ours=" in c["detail"] and "paged-recompute" in c["text"] for c in claims)
+    assert all("ours=" in c["detail"] for c in claims)
+    assert ["(paged-recompute;" in c["text"] for c in claims] == [True, True, False, False]
+    assert all("(paged-recompute-vllm;" in c["text"] for c in claims[2:])
     (cell,) = summary["gains"]
     assert {f"vs_{a}" for a in bb.ARM_NAMES[1:]} <= set(cell)
     assert set(cell["rt_recomputed"]) == set(bb.ARM_NAMES)
