@@ -199,9 +199,11 @@ _URL = re.compile(r"https?://[^/\s]+(/\S*)?")
 
 
 def _public_ip(endpoint: str) -> bool:
-    """Whether a ``tcp://HOST:PORT`` endpoint names a public IP address (a host name is not
-    resolved here: only what the flag itself says)."""
+    """Whether a ``tcp://HOST:PORT`` endpoint is public: an IP address that is, or a host
+    name whose every address is (resolved now; a name that does not resolve is taken, as one
+    the launcher's machine cannot judge, e.g. a name only the pods' network knows)."""
     import ipaddress
+    import socket
 
     if not endpoint.startswith("tcp://"):
         return False
@@ -209,7 +211,13 @@ def _public_ip(endpoint: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_global
     except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
         return False
+    addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    return bool(addresses) and all(a.is_global for a in addresses)
 
 
 class SGLangBackend(Backend):

@@ -106,6 +106,37 @@ def test_loopback_private_and_named_kv_endpoints_are_taken(ep):
 
 
 @pytest.mark.parametrize(
+    ("addresses", "refused"),
+    [(["93.184.215.14"], True), (["93.184.215.14", "10.1.2.3"], False), (["127.0.0.1"], False)],
+)
+def test_a_kv_endpoints_host_name_is_judged_by_what_it_resolves_to(
+    monkeypatch, capsys, addresses, refused
+):
+    """A name whose every address is public is refused as a public address is; one with a
+    private (or loopback) address is taken. The resolver's answer is given: there is no DNS
+    here."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kw):
+        if host != "kv.example.com":
+            return real(host, *args, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in addresses]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    argv = ["--worker-url", "http://a:1", "--worker-kv-endpoint", "tcp://kv.example.com:5557"]
+    if not refused:
+        assert parse_config(argv).worker_kv_endpoints == ("tcp://kv.example.com:5557",)
+        return
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    assert "--worker-kv-endpoint tcp://kv.example.com:5557: a public address" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
     ("policy", "guard", "on"),
     [("vtc", None, True), ("dlpm", None, True), ("fcfs", None, False), ("vtc", "off", False),
      ("fcfs", "on", True)],
