@@ -55,6 +55,7 @@ class WorkerState:
     num_revived: int = 0  # declared silent, then heard from again
     orphans: set[str] = field(default_factory=set)  # rids it holds that moved elsewhere
     boot: int = 0  # its process's boot id, from its Hello (0: not said)
+    stopping: bool = False  # its Load said it drains (a SIGTERM): the router drains it
 
 
 class WorkerLiveness:

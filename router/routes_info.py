@@ -75,6 +75,8 @@ def server_info_dict(state: ServerState) -> dict[str, Any]:
                 **membership_row(state, w.wid),
                 "restart_in_s": svc.restart_in_s(w.wid),
                 "queue_len": router.queue_len(w.wid),
+                "dispatched": router.stats[w.wid].num_dispatched,
+                "stopping": w.stopping,  # its Load says it drains (SIGTERM)
                 "num_waiting": load.num_waiting if load else None,
                 "num_running": load.num_running if load else None,
                 "kv_used_tokens": load.kv_used_tokens if load else None,

@@ -139,6 +139,9 @@ class Load(msgspec.Struct, frozen=True, gc=False):
     # Per-client service totals, for router replicas (None where the worker keeps none).
     service: ServiceReport | None = None
     boot: int = 0  # its process's boot id, as in its Hello (0: not said)
+    # The worker is stopping (SIGTERM): it finishes what it holds, then exits; choose it for
+    # nothing new (``python -m sgl_fair.worker --drain-timeout-s``).
+    draining: bool = False
 
 
 class Abort(msgspec.Struct, frozen=True, gc=False):

@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the routers' --heartbeat-timeout (10 s by default), so a replica never thinks alive "
         "a worker that forgot it (default 15)",
     )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, take nothing new and finish what is held, for at most this long, "
+        "then exit (a second SIGTERM, or SIGINT, stops at once; 0: SIGTERM stops at once); "
+        "keep it under the pod's terminationGracePeriodSeconds (default 25)",
+    )
     p.add_argument("--log-level", default="warning")
     return p  # fmt: skip
 
@@ -120,6 +128,8 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Any, A
                              "(CURVE) or --insecure")  # fmt: skip
         if not a.peer_timeout_s > 0:
             raise ValueError(f"--peer-timeout-s must be > 0 (got {a.peer_timeout_s})")
+        if not a.drain_timeout_s >= 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0 (got {a.drain_timeout_s})")
         cfg = config(a)
     except ValueError as e:
         p.error(str(e))
@@ -137,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"sgl-fair worker {a.id} serving routers at {a.bind} ({a.backend}, "
           f"{'CURVE' if keys else 'no keys'})", flush=True)  # fmt: skip
-    remote_worker_main(cfg, a.bind, keys, peer_timeout_s=a.peer_timeout_s)
+    remote_worker_main(cfg, a.bind, keys, peer_timeout_s=a.peer_timeout_s,
+                       drain_timeout_s=a.drain_timeout_s)  # fmt: skip
     return 0
 
 

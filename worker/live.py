@@ -122,6 +122,9 @@ class LiveWorker:
         self.open_sockets()
         self.kv_seq = 0
         self.running = True
+        self.drain_deadline: float | None = None  # set by begin_drain (a graceful stop)
+        self._last_work_s = 0.0
+        self._announce = False
         self.parent: int | None = os.getppid()  # None: not started by a launcher
         scale = cfg.time_scale
         if not scale > 0:
@@ -240,11 +243,43 @@ class LiveWorker:
                 result = core.step(now)
                 if result is not None:
                     due = now + result.duration_s * self._wall_per_sim
-            self.flush_out(now)
+            self.flush_out(now, force_load=self._announce)
+            self._announce = False
+            if self.drain_deadline is not None and self._drained(now, result):
+                break
             if self.parent is not None and os.getppid() != self.parent:
                 # the launcher is gone: do not linger
                 log.error("worker %d: parent process exited; stopping", self.cfg.wid)
                 break
+
+    # ---- a graceful stop (SIGTERM) --------------------------------------------------------
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Stop after what this worker holds: every Load says ``draining`` (routers choose it
+        for nothing new; a request dispatched before they heard is still served); the loop
+        ends once nothing is left and nothing new came for two heartbeats, or after
+        ``timeout_s`` whatever is left (its routers then see the worker gone)."""
+        now = time.time()  # (a signal handler may call this: no socket is touched here)
+        if self.drain_deadline is None:
+            self.drain_deadline = now + timeout_s
+            self.core.draining = True
+            self._last_work_s = now
+            self._announce = True  # the loop's next flush sends a Load that says so
+            log.warning("worker %d: draining (up to %.0fs)", self.cfg.wid, timeout_s)
+
+    def _drained(self, now: float, result: Any) -> bool:
+        assert self.drain_deadline is not None
+        if result is not None or self.core.scheduler.has_work():
+            self._last_work_s = now
+        elif now - self._last_work_s >= 2 * self.cfg.load_interval_s:
+            log.warning("worker %d: drained; stopping", self.cfg.wid)
+            return True
+        if now >= self.drain_deadline:
+            left = len(self.core.requests)
+            log.error("worker %d: drain timed out with %d requests left; stopping",
+                      self.cfg.wid, left)  # fmt: skip
+            return True
+        return False
 
     def engine_name(self) -> str:
         return engine_kind(self.cfg.backend).describe(self.cfg)

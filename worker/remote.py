@@ -259,9 +259,13 @@ def remote_worker_main(
     ready: Any = None,
     watch_parent: bool = False,
     peer_timeout_s: float = 15 * ATTACH_PERIOD_S,
+    drain_timeout_s: float = 0.0,
 ) -> None:
-    """Process entry point: serve until SIGINT/SIGTERM. ``ready``: an Event set once bound;
-    ``watch_parent``: stop when the process that started this one exits (a launcher's)."""
+    """Process entry point: serve until SIGINT, or SIGTERM: with ``drain_timeout_s`` > 0 the
+    first SIGTERM drains (``LiveWorker.begin_drain``: routers choose it for nothing new, what
+    it holds finishes, then it exits) and a second stops it at once. ``ready``: an Event set
+    once bound; ``watch_parent``: stop when the process that started this one exits (a
+    launcher's)."""
     logging.basicConfig(
         level=cfg.log_level.upper(), format=f"%(asctime)s worker{cfg.wid} %(levelname)s %(message)s"
     )
@@ -272,8 +276,14 @@ def remote_worker_main(
     def stop(*_: Any) -> None:
         worker.running = False
 
+    def drain(*_: Any) -> None:
+        if drain_timeout_s <= 0 or worker.drain_deadline is not None:
+            stop()
+        else:
+            worker.begin_drain(drain_timeout_s)
+
     signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, drain)
     if ready is not None:
         ready.set()
     try:

@@ -53,6 +53,7 @@ class WorkerCore:
             raise ValueError(f"load_interval_s must be > 0 (got {load_interval_s})")
         self.wid = wid
         self.boot = 0  # its process's boot id, in every Load (a live worker's; 0: not said)
+        self.draining = False  # stopping after what it holds: said in every Load
         self.scheduler = scheduler
         self.engine = engine
         self.load_interval_s = load_interval_s
@@ -175,6 +176,7 @@ class WorkerCore:
             sched.kv.capacity_tokens,
             sched.stats.num_retractions,
             boot=self.boot,
+            draining=self.draining,
         )
 
     def _finished(self, req: Request, now: float) -> Finished:
