@@ -58,6 +58,11 @@ _GAIN = "gains[setting=paper,be_batch={b},rate=10].vs_paged-recompute.rt_ttft_at
 
 _FS = "fairserve-apps-20*.json"
 _TPOT_GAIN = _GAIN.replace("rt_ttft", "rt_tpot_token")
+# the same against No Bi-cache on vLLM's engine rules (the arm paged-recompute-vllm)
+_GAIN_V = _GAIN.replace("vs_paged-recompute.", "vs_paged-recompute-vllm.")
+_TPOT_GAIN_V = _TPOT_GAIN.replace("vs_paged-recompute.", "vs_paged-recompute-vllm.")
+_TTFT_V = _TTFT.replace("(paged-recompute;", "(paged-recompute-vllm;")
+_TPOT_V = _TPOT.replace("(paged-recompute; ", "(paged-recompute-vllm; ")
 
 
 _REP = "d2lpm-replicas-quick-*.json"
@@ -136,6 +141,20 @@ FIGURES: list[Figure] = [
            _BICACHE_R, _TPOT_GAIN.format(b=32), unit="×", claim=_TPOT.format(b=32)),
     Figure("bicache-rate-tpot-512", "… TPOT (per-token) attainment ÷ No Bi-cache, BE batch 512",
            _BICACHE_R, _TPOT_GAIN.format(b=512), unit="×", claim=_TPOT.format(b=512)),
+    Figure("bicache-vllm-ttft-32",
+           "bros-bicache, paper's setting, 10 RT req/s, 60 s: TTFT attainment ÷ No Bi-cache on "
+           "vLLM's engine rules (paged-recompute-vllm), BE batch 32", _BICACHE_R,
+           _GAIN_V.format(b=32), unit="×", claim=_TTFT_V.format(b=32)),
+    Figure("bicache-vllm-ttft-256", "… BE batch 256", _BICACHE_R, _GAIN_V.format(b=256),
+           unit="×", claim=_TTFT_V.format(b=256)),
+    Figure("bicache-vllm-ttft-512", "… BE batch 512", _BICACHE_R, _GAIN_V.format(b=512),
+           unit="×", claim=_TTFT_V.format(b=512)),
+    Figure("bicache-vllm-tpot-32",
+           "… TPOT (per-token) attainment ÷ No Bi-cache on vLLM's rules, BE batch 32",
+           _BICACHE_R, _TPOT_GAIN_V.format(b=32), unit="×", claim=_TPOT_V.format(b=32)),
+    Figure("bicache-vllm-tpot-512", "… TPOT (per-token) attainment ÷ No Bi-cache on vLLM's "
+           "rules, BE batch 512", _BICACHE_R, _TPOT_GAIN_V.format(b=512), unit="×",
+           claim=_TPOT_V.format(b=512)),
     Figure("bicache-ttft-32",
            "bros-bicache, whole sweep (before the allocator fix aa3d085), 10 RT req/s: TTFT "
            "attainment ÷ No Bi-cache, BE batch 32", _BICACHE, _GAIN.format(b=32), unit="×",
@@ -219,6 +238,8 @@ STORED: dict[str, dict[str, str]] = {
 README_QUOTES: list[str] = [
     "TTFT attainment {bicache-rate-ttft-32} at BE batch 32, {bicache-rate-ttft-256} at 256 and"
     " {bicache-rate-ttft-512} at 512, TPOT {bicache-rate-tpot-32}",
+    "TTFT {bicache-vllm-ttft-32}, {bicache-vllm-ttft-256} and {bicache-vllm-ttft-512}, TPOT"
+    " {bicache-vllm-tpot-32}",
     "in virtual time, {sim-speed-min/n}–{sim-speed-max/n}× faster than real time",
     "tokens wasted ({fs-wasted} vs rpm's {fs-wasted-rpm}), on rpm throttling low-rate benign"
     " users ({fs-rpm-benign-users}), on users queued ({fs-queued} vs VTC's {fs-queued-vtc};",
