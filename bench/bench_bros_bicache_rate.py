@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not rates or min(rates) <= 0:
         ap.error(f"--rate: every rate must be > 0 (got {args.rate!r})")
     at_rate = PAPER_RATE if PAPER_RATE in rates else rates[0]
+    started = stored.provenance(args.date)  # the commit that runs
     t0 = time.perf_counter()
     rows = [
         run_arm(arm, rate, args.duration, args.seed, setting=PAPER, be_batch=b)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     if args.results is not None:
-        path = stored.write(args.results, "bench", "bros-bicache-rate", result, date=args.date)
+        path = stored.write(args.results, "bench", "bros-bicache-rate", result, started=started)
         print(f"stored: {path}")
     else:
         print(json.dumps(result, indent=2))

@@ -19,6 +19,7 @@ CPU per second over ``--idle`` seconds without load, just before); then ours / S
 
     .venv/bin/python bench/bench_sglang_side_by_side.py [--duration 30] [--flood 24]
         [--max-running 2] [--stacks sglang,ours] [--json runs/side.json]
+        [--results bench/results/side-by-side-DATE.json]
 
 ``--stacks sglang,ours@REV,ours`` adds our stack as it was at git revision REV (its code first
 on the launcher's ``PYTHONPATH``, from ``git archive`` into a temp dir): before/after in one run;
@@ -395,8 +396,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--stacks", default="sglang,ours",
                     help="sglang, ours, ours@REV, ours+process (--bridges process)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the result here (under runs/)")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="store it with date, commit and machine (apps/experiment/stored.py): "
+                    "a .json file, or a folder (side-by-side[-rRfF]-DATE.json)")  # fmt: skip
     args = ap.parse_args(argv)
-    results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"}}
+    from sgl_fair.experiment import stored
+
+    started = stored.provenance()  # the commit that runs, whatever the checkout does meanwhile
+    results: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "results")}
+    }
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as d:
         tmp = Path(d)
         model = live_rig.write_tiny_llama(tmp / "model")
@@ -419,6 +428,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.results is not None:
+        default = args.max_running == 2 and args.flood == 24
+        name = "side-by-side" if default else f"side-by-side-r{args.max_running}f{args.flood}"
+        path = stored.write(args.results, "bench", name, results, started=started)
+        print(f"stored: {path}")
     return results
 
 

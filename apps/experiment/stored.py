@@ -70,16 +70,24 @@ def provenance(date: str | None = None, command: Sequence[str] | None = None) ->
 
 
 def envelope(
-    kind: str, name: str, data: Mapping[str, Any], *, date: str | None = None, command=None
+    kind: str,
+    name: str,
+    data: Mapping[str, Any],
+    *,
+    date: str | None = None,
+    command=None,
+    started: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``data`` (the run's own JSON object) inside the stored-results envelope."""
+    """``data`` (the run's own JSON object) inside the stored-results envelope;
+    ``started``: the ``provenance()`` taken when the run began (a long run's checkout may
+    move on before it ends), else taken now."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)} (got {kind!r})")
     reserved = {"schema", "kind", "name", "provenance"} & set(data)
     if reserved:
         raise ValueError(f"the run's JSON already has {', '.join(sorted(reserved))}")
     head = {"schema": SCHEMA, "kind": kind, "name": name}
-    head["provenance"] = provenance(date, command)
+    head["provenance"] = dict(started) if started is not None else provenance(date, command)
     return {**head, **data}
 
 
@@ -99,10 +107,11 @@ def write(
     quick: bool = False,
     date: str | None = None,
     command=None,
+    started: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``data`` in the envelope to ``target`` (a file, or a folder: named by
     ``results_path``); returns the path written."""
-    doc = envelope(kind, name, data, date=date, command=command)
+    doc = envelope(kind, name, data, date=date, command=command, started=started)
     path = results_path(Path(target), name, doc["provenance"]["date"], quick)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -155,3 +155,15 @@ def test_date_without_results_is_a_usage_error(tmp_path, capsys):
     assert "--date: only with --results" in capsys.readouterr().err
     argv = ["run", "vtc-weighted", "--results", str(tmp_path), "--date", "29/11"]
     assert experiment_main(argv) == 2
+
+
+def test_a_long_run_stores_the_provenance_it_started_with(tmp_path):
+    """A bench takes ``provenance()`` as it starts and stores that: a commit made while it
+    ran (the checkout moving on) is not the commit that ran."""
+    started = stored.provenance("2026-11-29", ["bench.py"])
+    started["commit"] = "abc1234"  # as if HEAD had moved since
+    path = stored.write(tmp_path, "bench", "x", {"v": 1}, started=started)
+    data = json.loads(path.read_text())
+    assert path.name == "x-2026-11-29.json"
+    assert data["provenance"]["commit"] == "abc1234" and data["v"] == 1
+    assert stored.write(tmp_path / "y.json", "bench", "x", {"v": 2}).name == "y.json"
