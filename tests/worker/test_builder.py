@@ -134,3 +134,16 @@ def test_live_torch_core_from_its_config():
     assert engine_kind("torch").synchronous
     assert engine_kind("torch").describe(cfg) == "torch tiny (reference, float32)"
     assert build_live(cfg)[1] == 8192  # the tiny preset's positions
+
+
+@pytest.mark.parametrize(("policy", "says"), [("bros", True), ("vtc", False)])
+def test_the_torch_engine_says_which_cost_table_a_batch_selecting_policy_prices_by(policy, says):
+    """BROS packs its batches by iteration costs; on the torch engine they come from the
+    simulator's cost table (not this engine's measured steps): its description says so."""
+    from sgl_fair.worker.live import LiveWorkerConfig
+    from sgl_fair.worker.torch_engine.runner import TorchEngineKind
+
+    cfg = LiveWorkerConfig(0, "unused", backend="torch", policy=policy)
+    text = TorchEngineKind().describe(cfg)
+    assert text.startswith("torch Llama-3.1-8B")
+    assert ("bros prices batches by the simulated H100-80GB Llama-3.1-8B" in text) is says

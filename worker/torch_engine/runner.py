@@ -142,7 +142,16 @@ class TorchEngineKind:
         }
 
     def describe(self, cfg: Any) -> str:
-        return f"torch {cfg.model} ({cfg.torch_attention}, {cfg.torch_dtype})"
+        """What the worker says it runs (its Hello: ``/server_info``, the launcher's banner);
+        a batch-selecting policy (BROS) prices its batches by the simulator's cost table,
+        not by this engine's measured steps, and it says which."""
+        from sgl_fair.policies.base import PolicyTraits, policy_class
+
+        out = f"torch {cfg.model} ({cfg.torch_attention}, {cfg.torch_dtype})"
+        if PolicyTraits.of(policy_class(cfg.policy)).batch_selecting:
+            cm = self.default_cost_model()
+            out += f"; {cfg.policy} prices batches by the simulated {cm.gpu.name} {cm.model.name}"
+        return out
 
     def context_len(self, parts: Mapping[str, Any]) -> int | None:
         return parts["engine_opts"]["model"].config.max_position
