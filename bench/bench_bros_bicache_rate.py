@@ -31,8 +31,11 @@ from sgl_fair.experiment.bros_bicache import (
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rate", default=str(PAPER_RATE),
-                    help="RT req/s, or several: 6,8,10,12,14 (claims at 10 if listed)")
+    ap.add_argument(
+        "--rate",
+        default=str(PAPER_RATE),
+        help="RT req/s, or several: 6,8,10,12,14 (claims at 10 if listed)",
+    )
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results", type=Path, default=None, help="store here (file or folder)")

@@ -266,6 +266,19 @@ class KVEventEncoder:
             out.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_GPU))
 
 
+def cached_paths(root: Any) -> list[Tokens]:
+    """Every root-to-leaf token path of a radix tree (``sgl_fair.radix``'s nodes): a worker's
+    cache as its snapshot (``KVSnapshot``) stores it through ``KVEventEncoder``."""
+    out: list[Tokens] = []
+    stack = [(child, child.key) for child in root.children.values()]
+    while stack:
+        node, path = stack.pop()
+        if not node.children:
+            out.append(path)
+        stack.extend((c, path + c.key) for c in node.children.values())
+    return out
+
+
 __all__ = [
     "MEDIUM_GPU",
     "AllBlocksCleared",
@@ -277,6 +290,7 @@ __all__ = [
     "KVEvent",
     "KVEventBatch",
     "KVEventEncoder",
+    "cached_paths",
     "decode_batch",
     "encode_batch",
     "multipart",

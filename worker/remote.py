@@ -216,7 +216,8 @@ class RemoteWorker(LiveWorker):
         late routes by what is cached here already. It may cross a KV event published just
         before it: the router's tree is a guide, and a page stored twice is stored once."""
         encoder = kv_events.KVEventEncoder(page_size=self.cfg.kv_page_size)
-        stored = [("stored", path, 0) for path in cached_paths(self.core.scheduler.kv.tree.root)]
+        paths = kv_events.cached_paths(self.core.scheduler.kv.tree.root)
+        stored = [("stored", path, 0) for path in paths]
         batch = kv_events.KVEventBatch(ts=now, events=encoder.events(stored))
         return KVSnapshot(self.cfg.wid, now, kv_events.encode_batch(batch))
 
@@ -290,15 +291,3 @@ def remote_worker_main(
         worker.run()
     finally:
         worker.close()
-
-
-def cached_paths(root: Any) -> list[tuple[int, ...]]:
-    """Every root-to-leaf token path of a radix tree (``sgl_fair.radix``'s nodes)."""
-    out: list[tuple[int, ...]] = []
-    stack = [(child, child.key) for child in root.children.values()]
-    while stack:
-        node, path = stack.pop()
-        if not node.children:
-            out.append(path)
-        stack.extend((c, path + c.key) for c in node.children.values())
-    return out

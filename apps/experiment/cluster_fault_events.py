@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from sgl_fair import kv_events
 from sgl_fair.remote import ATTACH_PERIOD_S
 
 _FAULT, _ATTACH, _HELLO, _UP = range(8, 12)  # after cluster_fault_sim's event kinds
@@ -37,7 +38,7 @@ class FaultEvents:
                 return
             self.attached[u].add(replica)
             w.ledger.want_full()
-            paths = cached_paths(w.core.scheduler.kv.tree.root)
+            paths = kv_events.cached_paths(w.core.scheduler.kv.tree.root)
             self.push(self._at(slot, u, t), _HELLO, (replica, u, w.ledger.boot, paths, t))
         elif kind == _HELLO:
             replica, u, boot, paths, t_sent = payload
@@ -152,16 +153,3 @@ _COUNTS = (
     "duplicates_answered", "duplicates_lost_with_replica", "requests_aborted_by_workers",
     "worker_restarts", "worker_deaths_seen",
 )  # fmt: skip
-
-
-def cached_paths(root: Any) -> list[tuple[int, ...]]:
-    """Every root-to-leaf path of a radix tree: a worker's cache as its ``KVSnapshot``
-    lists it (``worker/remote.py``'s ``cached_paths``, kept apart from the live worker)."""
-    out: list[tuple[int, ...]] = []
-    stack = [(child, child.key) for child in root.children.values()]
-    while stack:
-        node, path = stack.pop()
-        if not node.children:
-            out.append(path)
-        stack.extend((c, path + c.key) for c in node.children.values())
-    return out
