@@ -228,3 +228,19 @@ def test_a_scenario_override_selects_its_runs_with_their_own_rates():
     # a scenario no run has is set on all (a fixed setting changed)
     chat = apply_overrides(EXPERIMENTS["d2lpm-grid"].build(True, 0), Overrides(scenario="none"))
     assert {s.scenario for s in chat} == {None}
+
+
+def test_the_well_behaved_claim_never_rounds_a_miss_up_to_its_bound():
+    """A client at 0.948× its VTC rate fails the ≥ 0.95× claim, and the detail says 0.948:
+    printed to two places it read "min 0.95" beside a FAIL (the quick grid, 2026-11-29)."""
+    from sgl_fair.experiment.cluster_grid import _well_behaved_claim
+
+    def row(policy, rate):
+        return {"workload": "tot", "scenario": "s1", "dp": 2, "policy": policy,
+                "misbehaving": ["c0"], "clients": {"c0": {"service_rate": 9.0},
+                                                   "c3": {"service_rate": rate}}}  # fmt: skip
+
+    bad = _well_behaved_claim([row("D2LPM", 0.948), row("VTC", 1.0)])
+    assert not bad.passed and "min 0.948" in bad.detail and "c3: 0.948" in bad.detail
+    good = _well_behaved_claim([row("D2LPM", 0.95), row("VTC", 1.0)])
+    assert good.passed and good.detail == "1/1 clients; min 0.950"
