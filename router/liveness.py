@@ -61,6 +61,19 @@ class WorkerState:
 class WorkerLiveness:
     RESET_BACKOFF_AFTER_S = 60.0
 
+    def worker_stopping(self, w: WorkerState, stopping: bool) -> None:
+        """A worker says it drains (its SIGTERM): choose it for nothing new while what it
+        holds finishes; it exits then, and is dead as any other. Said no more (a new process
+        of it): choosable again (an operator's drain, ``DELETE /workers``, is kept: its
+        loop drains the worker again every period)."""
+        w.stopping = stopping
+        router = self.router
+        if w.wid not in router.workers and w.wid not in router.draining:
+            return  # not alive in the router (a late frame)
+        if stopping:
+            log.warning("worker %d is stopping: choosing it for no new request", w.wid)
+        router.drain_worker(w.wid, draining=stopping)
+
     def restart_in_s(self, wid: int) -> float | None:
         """Seconds until worker ``wid``'s process is started again; None if none is due."""
         due = self.workers[wid].restart_at

@@ -10,7 +10,9 @@ show it::
     dead       was up, is not now (silent, or its connection gone); checked with backoff,
                ready again once it answers
 
-``add(endpoint)`` links a new worker (the next free id); ``remove(wid)`` drains it first
+``add(endpoint)`` links a new worker (the next free id); over SGLang servers
+``add_server(url, kv_endpoint)`` does (the launcher's ``server_link`` builds the bridge and
+checks the server runs our plugin); ``remove(wid)`` drains it first
 (rolling restarts: drain, restart, add) unless ``drain=False``, which removes it at once —
 its requests move to other workers as a dead worker's do (re-dispatched when none of their
 tokens reached the client yet, else failed). A drain that outlasts ``drain_timeout_s`` ends
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +47,14 @@ class MembershipError(ValueError):
 @dataclass
 class Member:
     wid: int
-    endpoint: str | None  # None: the launcher's own worker
-    link: RemoteLink | None = None
+    endpoint: str | None  # None: the launcher's own worker; an SGLang server's URL
+    link: Any = None  # RemoteLink, or the launcher's link to an SGLang server (async close)
     draining_since: float | None = None
+
+
+# ``server_link(wid, url, kv_endpoint, kv_replay_endpoint)``: a started link to an SGLang
+# server as worker ``wid`` (raises MembershipError when the server cannot be one)
+ServerLinkFactory = Callable[[int, str, str | None, str | None], Awaitable[Any]]
 
 
 class Membership:
@@ -58,8 +66,10 @@ class Membership:
         keys: ClientKeys | None = None,
         drain_timeout_s: float = 300.0,
         period_s: float = 0.2,
+        server_link: ServerLinkFactory | None = None,
     ) -> None:
         self.service = service
+        self.server_link = server_link  # set: the workers are SGLang servers (add_server)
         self.name = name
         self.keys = keys
         self.drain_timeout_s = drain_timeout_s
@@ -70,6 +80,7 @@ class Membership:
         self._task: asyncio.Task | None = None
         self._from_file: set[str] = set()  # endpoints the watched file added
         self._file_mtime: int | None = None
+        self._reserved: dict[int, str] = {}  # id -> url of an add_server still starting
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="membership")
@@ -79,20 +90,53 @@ class Membership:
 
     def add(self, endpoint: str) -> int:
         """Link the worker at ``endpoint`` (``tcp://HOST:PORT``); returns its id."""
+        if self.server_link is not None:
+            raise MembershipError(
+                "endpoint: this router's workers are SGLang servers; give url (and kv_endpoint)"
+            )
         try:
             parse_tcp(endpoint, "endpoint")
         except ValueError as e:
             raise MembershipError(str(e)) from None
-        for m in self.members.values():
-            if m.endpoint == endpoint:
-                raise MembershipError(f"endpoint: {endpoint} is worker {m.wid} already", 409)
-        wid = max([*self.service.workers, *self.members, -1]) + 1
+        self._unique("endpoint", endpoint)
+        wid = self._next_id()
         link = RemoteLink(self.service, wid, endpoint, name=self.name, keys=self.keys)
         link.start()
         self.members[wid] = Member(wid, endpoint, link)
         self.num_added += 1
         log.info("worker %d added: %s", wid, endpoint)
         return wid
+
+    async def add_server(
+        self, url: str, kv_endpoint: str | None = None, kv_replay_endpoint: str | None = None
+    ) -> int:
+        """Bridge the SGLang server at ``url`` (its KV events at ``kv_endpoint``, if given);
+        returns its id once the server is checked (it runs our plugin with our policy)."""
+        if self.server_link is None:
+            raise MembershipError(
+                "url: this router's workers are standalone workers; give endpoint (tcp://…)"
+            )
+        url = url.rstrip("/")
+        self._unique("url", url)
+        wid = self._next_id()
+        self._reserved[wid] = url  # an add of the same url meanwhile is refused
+        try:
+            link = await self.server_link(wid, url, kv_endpoint, kv_replay_endpoint)
+        finally:
+            del self._reserved[wid]
+        self.members[wid] = Member(wid, url, link)
+        self.num_added += 1
+        log.info("worker %d added: SGLang server %s", wid, url)
+        return wid
+
+    def _unique(self, field: str, where: str) -> None:
+        taken = {m.endpoint: m.wid for m in self.members.values()}
+        taken |= {url: wid for wid, url in self._reserved.items()}
+        if where in taken:
+            raise MembershipError(f"{field}: {where} is worker {taken[where]} already", 409)
+
+    def _next_id(self) -> int:
+        return max([*self.service.workers, *self.members, *self._reserved, -1]) + 1
 
     def drain(self, wid: int) -> None:
         """No new requests for ``wid``; the ones on it finish."""
@@ -230,7 +274,7 @@ class Membership:
             if w is not None:
                 seen = round(now - w.last_seen, 3) if w.last_seen else None
                 row.update(pid=w.pid, engine=w.engine, death=w.death, seen_s_ago=seen)
-            if m.link is not None:
+            if isinstance(m.link, RemoteLink):
                 row["health_check_period_s"] = m.link.backoff_s
             out.append(row)
         return out

@@ -25,6 +25,7 @@ from sgl_fair.router.generation import Generation
 from sgl_fair.router.guard import admin_refusal
 from sgl_fair.router.http_io import JSON, error_response, read_json_body
 from sgl_fair.router.lifecycle import run_to_end
+from sgl_fair.router.router import WorkerStats
 from sgl_fair.router.service import NoWorkerError
 from sgl_fair.router.state import Identity, ServerState
 
@@ -63,6 +64,7 @@ def server_info_dict(state: ServerState) -> dict[str, Any]:
     workers = []
     for w in svc.workers.values():
         load = router.load(w.wid)
+        stats = router.stats.get(w.wid) or WorkerStats()  # none until its first Hello
         workers.append(
             {
                 "id": w.wid,
@@ -75,7 +77,7 @@ def server_info_dict(state: ServerState) -> dict[str, Any]:
                 **membership_row(state, w.wid),
                 "restart_in_s": svc.restart_in_s(w.wid),
                 "queue_len": router.queue_len(w.wid),
-                "dispatched": router.stats[w.wid].num_dispatched,
+                "dispatched": stats.num_dispatched,
                 "stopping": w.stopping,  # its Load says it drains (SIGTERM)
                 "num_waiting": load.num_waiting if load else None,
                 "num_running": load.num_running if load else None,
@@ -87,8 +89,8 @@ def server_info_dict(state: ServerState) -> dict[str, Any]:
                 "kv_events_replayed": w.kv_replayed,
                 "kv_orphans": w.decoder.num_orphans,
                 "tree_tokens": held.get(w.wid, 0),
-                "kv_events": router.stats[w.wid].num_kv_events,
-                **({"url": state.worker_urls[w.wid]} if state.worker_urls else {}),
+                "kv_events": stats.num_kv_events,
+                **({"url": state.worker_urls[w.wid]} if w.wid < len(state.worker_urls) else {}),
             }
         )
     tenants = None

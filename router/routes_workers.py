@@ -1,7 +1,9 @@
 """Membership at run time, for operators (``router/membership.py`` does the work)::
 
     GET    /workers                  every worker: id, endpoint, state, in flight, health
-    POST   /workers                  {"endpoint": "tcp://HOST:PORT"} -> 201 {"id", "state"}
+    POST   /workers                  {"endpoint": "tcp://HOST:PORT"} -> 201 {"id", "state"};
+                                     over SGLang servers {"url": "http://HOST:PORT",
+                                     "kv_endpoint": "tcp://HOST:PORT"} (its plugin checked)
     DELETE /workers/{id}             drain, then remove (202 {"id", "state": "draining"});
                                      ?drain=false removes at once (200)
 
@@ -28,7 +30,10 @@ from sgl_fair.router.membership import Membership, MembershipError
 
 
 class AddWorker(msgspec.Struct, forbid_unknown_fields=True):
-    endpoint: str
+    endpoint: str | None = None  # a standalone worker: tcp://HOST:PORT
+    url: str | None = None  # an SGLang server (--backend sglang): http(s)://HOST:PORT
+    kv_endpoint: str | None = None  # … and where it publishes its KV events
+    kv_replay_endpoint: str | None = None  # … and replays the ones missed
 
 
 def _refused(state: Any, request: HTTPRequest) -> Response | None:
@@ -58,11 +63,31 @@ async def add_worker(state: Any, membership: Membership, request: HTTPRequest) -
         return error_response(P.ProtocolError(400, f"bad body: {e}", "endpoint"))
     except msgspec.DecodeError:
         return error_response(P.ProtocolError(400, "the body is not JSON", None))
+    if (spec.endpoint is None) == (spec.url is None):
+        return error_response(P.ProtocolError(
+            400, "give endpoint (a standalone worker) or url (an SGLang server), one of them",
+            "endpoint",
+        ))  # fmt: skip
+    if spec.endpoint is not None and (spec.kv_endpoint or spec.kv_replay_endpoint):
+        field = "kv_endpoint" if spec.kv_endpoint else "kv_replay_endpoint"
+        return error_response(P.ProtocolError(
+            400, f"{field}: only with url (a standalone worker publishes at its PORT+1)", field
+        ))  # fmt: skip
     try:
-        wid = membership.add(spec.endpoint)
+        if spec.endpoint is not None:
+            wid = membership.add(spec.endpoint)
+        else:
+            wid = await membership.add_server(spec.url, spec.kv_endpoint, spec.kv_replay_endpoint)
     except MembershipError as e:
-        return _error(e, "endpoint")
-    return JSON({"id": wid, "endpoint": spec.endpoint, "state": membership.state(wid)}, 201)
+        return _error(e, _field_of(e))
+    where = spec.endpoint if spec.endpoint is not None else spec.url
+    return JSON({"id": wid, "endpoint": where, "state": membership.state(wid)}, 201)
+
+
+def _field_of(e: MembershipError) -> str:
+    """The body field an error names first (``"url: …"``), else ``endpoint``."""
+    head = str(e).split(":", 1)[0]
+    return head if head in AddWorker.__struct_fields__ else "endpoint"
 
 
 async def remove_worker(state: Any, membership: Membership, request: HTTPRequest) -> Response:

@@ -398,7 +398,7 @@ class RouterService(WorkerLiveness):
             self.router.handle(msg, now)
             self.telemetry.load(msg, self.router.queue_len(msg.worker))
             if msg.draining != w.stopping:
-                self._worker_stopping(w, msg.draining)
+                self.worker_stopping(w, msg.draining)
         elif isinstance(msg, Flushed):
             answers = self._flushes.get(msg.token)
             if answers is not None:
@@ -406,19 +406,6 @@ class RouterService(WorkerLiveness):
                 self._flush_event.set()
         elif isinstance(msg, KVSnapshot):  # a remote worker's cache, as this replica attaches
             self._apply_kv(w, kv_events.decode_batch(msg.payload))
-
-    def _worker_stopping(self, w: WorkerState, stopping: bool) -> None:
-        """A worker says it drains (its SIGTERM): choose it for nothing new while what it
-        holds finishes; it exits then, and is dead as any other. Said no more (a new process
-        of it): choosable again (an operator's drain, ``DELETE /workers``, is kept: its
-        loop drains the worker again every period)."""
-        w.stopping = stopping
-        router = self.router
-        if w.wid not in router.workers and w.wid not in router.draining:
-            return  # not alive in the router (a late frame)
-        if stopping:
-            log.warning("worker %d is stopping: choosing it for no new request", w.wid)
-        router.drain_worker(w.wid, draining=stopping)
 
     def _lost(self, msg: Finished) -> None:
         """A call its worker lost with its engine (``Finished.lost``): the worker is dead to

@@ -117,8 +117,9 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         # Workers first, outside uvicorn: a start-up failure is one line, not a traceback.
         await state.service.start()
         state.membership = Membership(
-            state.service, name=f"{cfg.host}:{cfg.port}", keys=client_keys(cfg)
-        )
+            state.service, name=f"{cfg.host}:{cfg.port}", keys=client_keys(cfg),
+            server_link=workers.server_links(state),
+        )  # fmt: skip
         state.membership.start()
         workers.start(state)
         try:

@@ -92,6 +92,11 @@ class SGLangWorkers(Workers):
     def startup_error(self, e: Exception) -> str:
         return startup_error(e, self.servers)
 
+    def server_links(self, state: Any) -> Any:
+        from sgl_fair.launch.sglang_members import server_links
+
+        return server_links(state, self.cfg, self.tenants)
+
     def stop(self) -> None:
         self.procs.stop()
         if self.servers is not None:

@@ -117,6 +117,11 @@ class Workers:
         """The one line for a start-up that failed with ``e``."""
         return str(e)
 
+    def server_links(self, state: Any) -> Any:
+        """What ``POST /workers {"url"}`` links an SGLang server with
+        (``router/membership.py``'s ``server_link``); None: these workers are no servers."""
+        return None
+
     def stop(self) -> None:
         self.procs.stop()
 

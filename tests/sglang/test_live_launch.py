@@ -231,6 +231,60 @@ def test_worker_url_checks_the_plugin_on_the_server(live, tmp_path):
         assert reason in out, out
 
 
+def test_post_workers_adds_a_running_sglang_server_and_delete_drains_it(live, tmp_path):
+    """A router over server 0 only (``--worker-url``) takes server 1 at run time with
+    ``POST /workers {"url"}`` (its plugin checked, as at start), routes to both, refuses the
+    same server twice, a server that does not answer, a public KV endpoint and a tcp
+    endpoint (its workers are servers), each naming the field; ``DELETE`` drains it and the
+    server itself keeps running."""
+    url0, url1 = (w["url"] for w in live.info()["workers"])
+    base = ("--backend", "sglang", "--worker-url", url0, "--heartbeat-timeout", "30",
+            "--schedule-policy", POLICY, "--worker-api-key", KEY)  # fmt: skip
+    with launched(*base, tmp_path=tmp_path) as other:
+        r = httpx.post(other.url + "/workers", json={"url": url1 + "/"}, timeout=60)
+        assert r.status_code == 201, r.text
+        wid = r.json()["id"]
+        assert wid == 1 and r.json()["state"] == "starting"
+        deadline = time.monotonic() + 60
+        while not (w := other.info()["workers"][wid])["alive"]:
+            assert time.monotonic() < deadline, w
+            time.sleep(0.2)
+        assert w["url"] == url1 and f"(sgl-fair {POLICY})" in w["engine"]
+
+        async def load() -> list[int]:  # at once, different prompts: both servers take some
+            async with httpx.AsyncClient(timeout=300) as http:
+                rs = await asyncio.gather(*(
+                    http.post(other.url + "/generate", json={
+                        "text": f"{i} to both servers " * 4,
+                        "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+                    })
+                    for i in range(16)
+                ))  # fmt: skip
+            return [r.status_code for r in rs]
+
+        assert asyncio.run(load()) == [200] * 16
+        assert all(w["dispatched"] > 0 for w in other.info()["workers"]), other.info()["workers"]
+        refused = [
+            ({"url": url1}, 409, "url"),
+            ({"url": "http://127.0.0.1:9"}, 400, "url"),
+            ({"url": "http://127.0.0.1:9", "kv_endpoint": "tcp://8.8.8.8:5557"}, 400,
+             "kv_endpoint"),
+            ({"endpoint": "tcp://127.0.0.1:9"}, 400, "endpoint"),
+            ({}, 400, "endpoint"),
+        ]  # fmt: skip
+        for body, status, field in refused:
+            r = httpx.post(other.url + "/workers", json=body, timeout=60)
+            assert r.status_code == status and r.json()["error"]["param"] == field, (body, r.text)
+        r = httpx.delete(f"{other.url}/workers/{wid}", timeout=30)
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 30
+        while len(other.info()["workers"]) > 1:
+            assert time.monotonic() < deadline, other.info()["workers"]
+            time.sleep(0.2)
+        assert _gen(other.url, "after the removal", 2).status_code == 200
+    assert httpx.get(url1 + "/health", headers=AUTH, timeout=10).status_code == 200
+
+
 def _launch_fails(*args: str) -> str:
     port = live_rig.free_port()
     cmd = [sys.executable, "-m", "sgl_fair.launch", "--port", str(port), *args]
