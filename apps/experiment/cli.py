@@ -122,11 +122,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if entry.check is not None:
         _user_value(entry.check, given)
     options = RunOptions(quick=args.quick, seed=args.seed, json=args.json, flags=given)
+    command = [PROG, *getattr(args, "argv", sys.argv[1:])]
+    started = stored.provenance(args.date, command) if args.results is not None else None
     result = _user_value(lambda: entry.run(options))
     out = args.out or Path("runs") / entry.name
     paths = entry.write(result, out)
-    if args.results is not None:
-        command = [PROG, *getattr(args, "argv", sys.argv[1:])]
+    if args.results is not None:  # with the provenance of the code that ran (its start)
         paths["stored"] = stored.write(
             args.results,
             "experiment",
@@ -135,6 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             quick=args.quick,
             date=args.date,
             command=command,
+            started=started,
         )
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
