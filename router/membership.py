@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_fair.remote import ClientKeys, parse_tcp
+from sgl_fair.remote import ClientKeys, is_loopback, parse_tcp
 from sgl_fair.router.remote_link import RemoteLink
 
 log = logging.getLogger("sgl_fair.router")
@@ -67,8 +67,11 @@ class Membership:
         drain_timeout_s: float = 300.0,
         period_s: float = 0.2,
         server_link: ServerLinkFactory | None = None,
+        insecure: bool = False,
     ) -> None:
         self.service = service
+        self.insecure = insecure  # non-loopback workers without keys (plain text) allowed
+        self.discovery: Any = None  # a KubeDiscovery, when the workers are discovered
         self.server_link = server_link  # set: the workers are SGLang servers (add_server)
         self.name = name
         self.keys = keys
@@ -226,22 +229,56 @@ class Membership:
         self._file_mtime = mtime
         with open(path) as f:
             lines = [ln.split("#", 1)[0].strip() for ln in f]
-        wanted = [ln for ln in lines if ln]
+        if not self.sync([ln for ln in lines if ln], self._from_file, f"endpoints file {path}"):
+            self._file_mtime = None  # one could not be added yet: read it again next period
+
+    def sync(self, wanted: list[str], managed: set[str], source: str) -> bool:
+        """Make the endpoints ``source`` manages (``managed``, updated) the ``wanted`` ones:
+        one that appears is added, one that leaves is drained (then removed). Members added
+        otherwise (flags, ``POST /workers``) are left alone. False when one could not be
+        added (still draining, or a bad line): call again later."""
+        ok = True
         for endpoint in wanted:
             member = next((m for m in self.members.values() if m.endpoint == endpoint), None)
             if member is not None and member.draining_since is None:
-                continue  # a member already (from the file, or added by an operator)
+                continue  # a member already (from this source, or added by an operator)
             try:
                 self.add(endpoint)
             except MembershipError as e:  # still draining (or a bad line): look again later
-                log.error("endpoints file %s: %s", path, e)
-                self._file_mtime = None
+                log.error("%s: %s", source, e)
+                ok = False
                 continue
-            self._from_file.add(endpoint)
+            managed.add(endpoint)
         for m in list(self.members.values()):
-            if m.endpoint in self._from_file and m.endpoint not in wanted:
-                self._from_file.discard(m.endpoint)
+            if m.endpoint in managed and m.endpoint not in wanted:
+                managed.discard(m.endpoint)
                 self.drain(m.wid)
+        return ok
+
+    def discover(self, discovery: Any) -> None:
+        """Follow a discovery (``router/discovery_k8s.py``'s ``KubeDiscovery``): each list it
+        reads becomes the endpoints it manages (``sync``); a non-loopback endpoint without
+        CURVE keys is left out unless ``insecure`` (said once each)."""
+        managed: set[str] = set()
+        warned: set[str] = set()
+
+        def on_change(found: list[str]) -> None:
+            wanted = []
+            for endpoint in found:
+                host, _ = parse_tcp(endpoint, "endpoint")
+                if self.keys is None and not self.insecure and not is_loopback(host):
+                    if endpoint not in warned:
+                        warned.add(endpoint)
+                        log.error("discovered worker %s left out: not loopback, and the router "
+                                  "has no --worker-keys (or --insecure)", endpoint)  # fmt: skip
+                    continue
+                wanted.append(endpoint)
+            self.sync(wanted, managed, "Kubernetes discovery")
+
+        discovery.on_change = on_change
+        self.discovery = discovery
+        task = asyncio.get_running_loop().create_task(discovery.run(), name="discovery")
+        self.service._tasks.append(task)
 
     async def close(self) -> None:
         for m in list(self.members.values()):

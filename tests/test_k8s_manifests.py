@@ -1,9 +1,11 @@
 """docs/k8s: the Kubernetes example of docs/operators.md ("Many hosts") is checked, not just
 shown. Every manifest parses; every container's command line passes its program's own flag
 checks (the worker's and the launcher's parsers, with the mounted key and tenant paths made
-real); and the pieces agree: each router lists every worker pod at the worker's port, the
-worker Service opens that port and the KV-event port after it, the router Service targets
-the routers' port, and the routers split the tenants' limits over their replica count.
+real, and the router's service account as a pod has it); and the pieces agree: the routers
+find the worker pods by their labels at the worker's port by name, their service account may
+list pods, the worker Service opens that port and the KV-event port after it, the router
+Service targets the routers' port, and the routers split the tenants' limits over their
+replica count.
 """
 
 from __future__ import annotations
@@ -39,6 +41,19 @@ def flag(args: list[str], name: str) -> list[str]:
 
 
 @pytest.fixture
+def in_a_pod(tmp_path, monkeypatch):
+    """The API server and service account a router pod has (namespace, token)."""
+    from sgl_fair.router import discovery_k8s
+
+    sa = tmp_path / "serviceaccount"
+    sa.mkdir()
+    (sa / "namespace").write_text("default\n")
+    (sa / "token").write_text("token\n")
+    monkeypatch.setattr(discovery_k8s, "SA_DIR", str(sa))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+
+
+@pytest.fixture
 def real_paths(tmp_path):
     """The manifests' mounted paths, made real in tmp_path (keys, tenants file)."""
     keys = tmp_path / "keys"
@@ -59,10 +74,11 @@ def real_paths(tmp_path):
 
 def test_the_manifests_parse_and_name_their_kinds():
     kinds = sorted(o["kind"] for o in objects())
-    assert kinds == ["Deployment", "Service", "Service", "StatefulSet"]
+    assert kinds == ["Deployment", "Role", "RoleBinding", "Service", "Service",
+                     "ServiceAccount", "StatefulSet"]  # fmt: skip
 
 
-def test_every_command_line_passes_its_programs_checks(real_paths):
+def test_every_command_line_passes_its_programs_checks(real_paths, in_a_pod):
     from sgl_fair.launch.config import parse_config
     from sgl_fair.worker.__main__ import parse
 
@@ -74,6 +90,7 @@ def test_every_command_line_passes_its_programs_checks(real_paths):
     assert router["command"] == ["python", "-m", "sgl_fair.launch"]
     lcfg = parse_config(real_paths(router["args"]))
     assert lcfg.backend == "remote" and lcfg.worker_keys and lcfg.tenants
+    assert lcfg.worker_discovery_k8s
 
 
 def test_the_pieces_agree():
@@ -81,9 +98,23 @@ def test_the_pieces_agree():
     (dep, router), = containers("Deployment")  # fmt: skip
     services = {o["metadata"]["name"]: o for o in objects() if o["kind"] == "Service"}
     _, port = parse_tcp(flag(worker["args"], "--bind")[0], "--bind")
-    name, svc = sts["metadata"]["name"], sts["spec"]["serviceName"]
-    pods = {f"tcp://{name}-{i}.{svc}:{port}" for i in range(sts["spec"]["replicas"])}
-    assert set(flag(router["args"], "--worker-endpoint")) == pods  # every worker, once
+    svc = sts["spec"]["serviceName"]
+    # the routers find the worker pods: their labels, their port by name
+    (selector,) = flag(router["args"], "--worker-discovery-k8s")
+    key, value = selector.split("=", 1)
+    assert sts["spec"]["template"]["metadata"]["labels"][key] == value
+    port_name = (flag(router["args"], "--k8s-port-name") or ["dispatch"])[0]
+    named = {p.get("name"): p["containerPort"] for p in worker["ports"]}
+    assert named[port_name] == port
+    assert not flag(router["args"], "--worker-endpoint")
+    # … as their service account may
+    account = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    (binding,) = [o for o in objects() if o["kind"] == "RoleBinding"]
+    assert {"kind": "ServiceAccount", "name": account} in binding["subjects"]
+    (role,) = [o for o in objects() if o["kind"] == "Role"
+               and o["metadata"]["name"] == binding["roleRef"]["name"]]  # fmt: skip
+    assert any("pods" in r["resources"] and {"get", "list"} <= set(r["verbs"])
+               for r in role["rules"])  # fmt: skip
     opened = {p["port"] for p in services[svc]["spec"]["ports"]}
     assert {port, port + 1} <= opened  # dispatches and KV events
     assert int(flag(router["args"], "--tenant-limits-split")[0]) == dep["spec"]["replicas"]

@@ -85,7 +85,7 @@ class Backend:
             bad("unrecognized arguments: " + " ".join(passthrough))
         if a.worker_url or a.worker_kv_endpoint:
             bad("--worker-url / --worker-kv-endpoint need --backend sglang")
-        if a.worker_endpoint or a.worker_endpoints_file:
+        if a.worker_endpoint or a.worker_endpoints_file or a.worker_discovery_k8s:
             bad(f"--worker-endpoint: standalone workers are --backend remote (not {self.name})")
         return 1 if a.dp is None else a.dp
 
@@ -334,15 +334,28 @@ class RemoteBackend(Backend):
     reports_service = True  # standalone workers (python -m sgl_fair.worker --bind)
 
     def implied_by(self, a: argparse.Namespace) -> bool:
-        return bool(a.worker_endpoint or a.worker_endpoints_file)
+        return bool(a.worker_endpoint or a.worker_endpoints_file or a.worker_discovery_k8s)
 
     def check(self, a: argparse.Namespace, passthrough: Sequence[str], bad: Bad) -> int:
         from sgl_fair.remote import is_loopback, parse_tcp
 
         if passthrough:
             bad("unrecognized arguments: " + " ".join(passthrough))
-        if not a.worker_endpoint and not a.worker_endpoints_file:
+        if not a.worker_endpoint and not a.worker_endpoints_file and not a.worker_discovery_k8s:
             bad("--backend remote needs --worker-endpoint tcp://HOST:PORT (one per worker)")
+        if a.worker_discovery_k8s is not None:
+            if not a.worker_discovery_k8s.strip():
+                bad("--worker-discovery-k8s: give a label selector, e.g. app=sgl-fair-worker")
+            if not a.k8s_period_s > 0:
+                bad(f"--k8s-period-s must be > 0 (got {a.k8s_period_s})")
+            if a.k8s_token_file is not None and not os.path.isfile(a.k8s_token_file):
+                bad(f"--k8s-token-file {a.k8s_token_file}: no such file")
+            from sgl_fair.router.discovery_k8s import DiscoveryError, KubeAPI
+
+            try:  # in a pod these come from its service account; else they must be given
+                KubeAPI.from_env(a.k8s_api, a.k8s_namespace, a.k8s_token_file)
+            except DiscoveryError as e:
+                bad(str(e))
         if a.worker_endpoints_file and not os.path.isfile(a.worker_endpoints_file):
             bad(f"--worker-endpoints-file {a.worker_endpoints_file}: no such file")
         if a.worker_url or a.worker_kv_endpoint:
@@ -357,8 +370,8 @@ class RemoteBackend(Backend):
                     "(CURVE) or --insecure")  # fmt: skip
         if len(set(a.worker_endpoint)) != len(a.worker_endpoint):
             bad("--worker-endpoint: an endpoint is given twice")
-        if a.worker_endpoints_file:
-            return max(1, len(a.worker_endpoint))  # the file's come and go
+        if a.worker_endpoints_file or a.worker_discovery_k8s:
+            return max(1, len(a.worker_endpoint))  # the file's / the pods' come and go
         if a.dp is not None and a.dp != len(a.worker_endpoint):
             bad(f"--dp {a.dp} does not match the {len(a.worker_endpoint)} --worker-endpoint given")
         return len(a.worker_endpoint)

@@ -93,7 +93,15 @@ class LaunchConfig:
     # many hosts (docs/operators.md): standalone workers, router replicas
     worker_endpoints: tuple[str, ...] = ()  # --backend remote: tcp://HOST:PORT each
     worker_endpoints_file: str | None = None  # watched: more endpoints, one a line
+    # Kubernetes discovery (router/discovery_k8s.py): the ready pods of this label selector
+    worker_discovery_k8s: str | None = None
+    k8s_port_name: str = "dispatch"
+    k8s_namespace: str | None = None
+    k8s_api: str | None = None
+    k8s_token_file: str | None = None
+    k8s_period_s: float = 2.0
     worker_keys: str | None = None  # CURVE keys folder (router.key_secret, worker.key)
+    insecure: bool = False  # non-loopback workers without keys: plain text
     router_replicas: int | None = None  # start dp standalone workers and R routers over them
     replica_state: str = "shared"  # shared: fairness state through the workers' reports
     replica_id: int | None = None  # this router's id in those reports (None: a plain Router)
@@ -239,7 +247,8 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         )  # fmt: skip
     except ValueError as e:
         bad(str(e) if str(e).startswith("--cluster-oit-opt") else f"--cluster-oit-opt: {e}")
-    if a.router_only and not (a.worker_endpoint or a.worker_endpoints_file):
+    if a.router_only and not (a.worker_endpoint or a.worker_endpoints_file
+                              or a.worker_discovery_k8s):  # fmt: skip
         bad("--router-only needs --worker-endpoint tcp://HOST:PORT (the workers to route to)")
     if a.router_replicas is not None:
         if a.router_replicas < 1:
@@ -327,7 +336,14 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         kv_allocator_opts=alloc_opts,
         worker_endpoints=tuple(a.worker_endpoint),
         worker_endpoints_file=a.worker_endpoints_file,
+        worker_discovery_k8s=a.worker_discovery_k8s,
+        k8s_port_name=a.k8s_port_name,
+        k8s_namespace=a.k8s_namespace,
+        k8s_api=a.k8s_api,
+        k8s_token_file=a.k8s_token_file,
+        k8s_period_s=a.k8s_period_s,
         worker_keys=a.worker_keys,
+        insecure=bool(a.insecure),
         router_replicas=a.router_replicas,
         replica_state=a.replica_state,
         replica_id=random.getrandbits(31) if shared else None,

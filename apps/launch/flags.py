@@ -231,6 +231,22 @@ def build_parser() -> argparse.ArgumentParser:
         "worker, a line removed drains it (also implies --backend remote)",
     )  # fmt: skip
     p.add_argument(
+        "--worker-discovery-k8s", default=None, metavar="SELECTOR",
+        help="find standalone workers in Kubernetes: the ready pods of this label selector "
+        "(e.g. app=sgl-fair-worker) in the namespace, at their container port --k8s-port-name; "
+        "a pod that turns ready joins, one that goes is drained (implies --backend remote)",
+    )  # fmt: skip
+    p.add_argument("--k8s-port-name", default="dispatch", metavar="NAME",
+                   help="the workers' container port by name (default dispatch)")  # fmt: skip
+    p.add_argument("--k8s-namespace", default=None,
+                   help="default: the router pod's own (its service account's)")  # fmt: skip
+    p.add_argument("--k8s-api", default=None, metavar="URL",
+                   help="the API server; default: the pod's (KUBERNETES_SERVICE_HOST)")  # fmt: skip
+    p.add_argument("--k8s-token-file", default=None, metavar="FILE",
+                   help="default: the pod's service account token")  # fmt: skip
+    p.add_argument("--k8s-period-s", type=float, default=2.0,
+                   help="how often the pods are listed (default 2)")  # fmt: skip
+    p.add_argument(
         "--router-only", action="store_true",
         help="start no workers: route to the --worker-endpoint ones (implied by them)",
     )  # fmt: skip

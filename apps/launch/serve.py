@@ -118,7 +118,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
         await state.service.start()
         state.membership = Membership(
             state.service, name=f"{cfg.host}:{cfg.port}", keys=client_keys(cfg),
-            server_link=workers.server_links(state),
+            server_link=workers.server_links(state), insecure=cfg.insecure,
         )  # fmt: skip
         state.membership.start()
         workers.start(state)

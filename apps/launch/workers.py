@@ -161,6 +161,8 @@ class RemoteWorkers(Workers):
             state.membership.add(endpoint)
         if self.cfg.worker_endpoints_file:
             state.membership.watch(self.cfg.worker_endpoints_file)
+        if self.cfg.worker_discovery_k8s:
+            state.membership.discover(k8s_discovery(self.cfg))
         router, members = state.service.router, state.service.workers
         for u in router.workers:  # the router's first ids that no worker took
             if u not in members:
@@ -175,6 +177,18 @@ class RemoteWorkers(Workers):
     def startup_error(self, e: Exception) -> str:
         return (f"{e}: is `python -m sgl_fair.worker --bind ...` running at "
                 f"{', '.join(self.cfg.worker_endpoints)} (and --worker-keys right)?")  # fmt: skip
+
+
+def k8s_discovery(cfg: LaunchConfig) -> Any:
+    """``--worker-discovery-k8s``: the pods' lister (``router/discovery_k8s.py``); a missing
+    piece of its configuration is a start-up error naming the flag."""
+    from sgl_fair.router.discovery_k8s import KubeAPI, KubeDiscovery
+
+    api = KubeAPI.from_env(cfg.k8s_api, cfg.k8s_namespace, cfg.k8s_token_file)
+    return KubeDiscovery(
+        api, cfg.worker_discovery_k8s or "", lambda found: None,
+        port_name=cfg.k8s_port_name, period_s=cfg.k8s_period_s,
+    )  # fmt: skip
 
 
 def sim_worker_configs(cfg: LaunchConfig, state: Any, backend: Backend | None = None) -> list[Any]:
