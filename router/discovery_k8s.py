@@ -92,10 +92,13 @@ def _read(path: str) -> str | None:
         return None
 
 
-def ready_endpoints(pods: Any, port_name: str) -> list[str]:
-    """``tcp://IP:PORT`` of every pod of a ``PodList`` that is running, ready and not being
-    deleted, at its container port named ``port_name``; sorted, each once."""
-    out: set[str] = set()
+Pod = tuple[str, dict[str, int]]  # a ready pod: its host ("[v6]" bracketed), ports by name
+
+
+def ready_pods(pods: Any) -> list[Pod]:
+    """Every pod of a ``PodList`` that is running, ready and not being deleted: its address
+    and its containers' named ports; sorted."""
+    out: list[Pod] = []
     for pod in (pods or {}).get("items") or ():
         meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
         status = pod.get("status") or {}
@@ -105,37 +108,43 @@ def ready_endpoints(pods: Any, port_name: str) -> list[str]:
         if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
             continue
         ip = status.get("podIP")
-        port = next(
-            (p.get("containerPort") for c in spec.get("containers") or ()
-             for p in c.get("ports") or () if p.get("name") == port_name),
-            None,
-        )  # fmt: skip
-        if ip and isinstance(port, int):
-            host = f"[{ip}]" if ":" in ip else ip
-            out.add(f"tcp://{host}:{port}")
-    return sorted(out)
+        if not ip:
+            continue
+        ports = {
+            p["name"]: p["containerPort"]
+            for c in spec.get("containers") or () for p in c.get("ports") or ()
+            if p.get("name") and isinstance(p.get("containerPort"), int)
+        }  # fmt: skip
+        out.append((f"[{ip}]" if ":" in ip else ip, ports))
+    return sorted(out, key=lambda pod: (pod[0], sorted(pod[1].items())))
+
+
+def ready_endpoints(pods: Any, port_name: str) -> list[str]:
+    """``tcp://IP:PORT`` of every ready pod (``ready_pods``) at its port named ``port_name``;
+    sorted, each once."""
+    return sorted({f"tcp://{host}:{ports[port_name]}" for host, ports in ready_pods(pods)
+                   if port_name in ports})  # fmt: skip
 
 
 class KubeDiscovery:
-    """Polls the API server; hands each successful read to ``on_change(endpoints)``."""
+    """Polls the API server; hands each successful read to ``on_change(pods)`` (the ready
+    pods, ``ready_pods``)."""
 
     def __init__(
         self,
         api: KubeAPI,
         selector: str,
-        on_change: Callable[[list[str]], Any],
+        on_change: Callable[[list[Pod]], Any],
         *,
-        port_name: str = "dispatch",
         period_s: float = 2.0,
     ) -> None:
         self.api = api
         self.selector = selector
         self.on_change = on_change
-        self.port_name = port_name
         self.period_s = period_s
         self.num_lists = 0
         self.num_failures = 0
-        self.last: list[str] | None = None  # the last endpoints read
+        self.last: list[Pod] | None = None  # the last pods read
         self._failing = False
 
     def _ssl(self) -> ssl.SSLContext | bool:
@@ -143,8 +152,8 @@ class KubeDiscovery:
             return False
         return ssl.create_default_context(cafile=self.api.ca_file)
 
-    async def list_once(self, http: Any) -> list[str] | None:
-        """The ready endpoints now, or None when the API server could not be read."""
+    async def list_once(self, http: Any) -> list[Pod] | None:
+        """The ready pods now, or None when the API server could not be read."""
         import aiohttp
 
         headers = {"Authorization": f"Bearer {self.api.token}"} if self.api.token else {}
@@ -167,7 +176,7 @@ class KubeDiscovery:
             log.warning("Kubernetes discovery: listing pods again")
         self._failing = False
         self.num_lists += 1
-        return ready_endpoints(pods, self.port_name)
+        return ready_pods(pods)
 
     async def run(self) -> None:
         import aiohttp
@@ -181,4 +190,4 @@ class KubeDiscovery:
                 await asyncio.sleep(self.period_s)
 
 
-__all__ = ["DiscoveryError", "KubeAPI", "KubeDiscovery", "ready_endpoints"]
+__all__ = ["DiscoveryError", "KubeAPI", "KubeDiscovery", "Pod", "ready_endpoints", "ready_pods"]

@@ -255,18 +255,34 @@ class Membership:
                 self.drain(m.wid)
         return ok
 
-    def discover(self, discovery: Any) -> None:
-        """Follow a discovery (``router/discovery_k8s.py``'s ``KubeDiscovery``): each list it
-        reads becomes the endpoints it manages (``sync``); a non-loopback endpoint without
-        CURVE keys is left out unless ``insecure`` (said once each)."""
+    def discover(
+        self, discovery: Any, *, port: str = "dispatch", kv_port: str = "kv-events"
+    ) -> None:
+        """Follow a discovery (``router/discovery_k8s.py``'s ``KubeDiscovery``): the ready
+        pods it reads become the members it manages. Standalone workers at
+        ``tcp://POD:<port>`` (``sync``; one that is not loopback needs CURVE keys or
+        ``insecure``, else it is left out, said once); over SGLang servers
+        ``http://POD:<port>`` with its KV events at ``tcp://POD:<kv_port>`` if the pod names
+        that port (``sync_servers``)."""
         managed: set[str] = set()
         warned: set[str] = set()
+        pending: list[asyncio.Task] = []
 
-        def on_change(found: list[str]) -> None:
+        def on_change(pods: list[tuple[str, dict[str, int]]]) -> None:
+            if self.server_link is not None:
+                servers = {f"http://{host}:{ports[port]}": (
+                    f"tcp://{host}:{ports[kv_port]}" if kv_port in ports else None)
+                    for host, ports in pods if port in ports}  # fmt: skip
+                if not pending or pending[-1].done():  # one sync at a time
+                    pending[:] = [asyncio.get_running_loop().create_task(
+                        self.sync_servers(servers, managed))]  # fmt: skip
+                return
             wanted = []
-            for endpoint in found:
-                host, _ = parse_tcp(endpoint, "endpoint")
-                if self.keys is None and not self.insecure and not is_loopback(host):
+            for host, ports in pods:
+                if port not in ports:
+                    continue
+                endpoint = f"tcp://{host}:{ports[port]}"
+                if self.keys is None and not self.insecure and not is_loopback(host.strip("[]")):
                     if endpoint not in warned:
                         warned.add(endpoint)
                         log.error("discovered worker %s left out: not loopback, and the router "
@@ -279,6 +295,24 @@ class Membership:
         self.discovery = discovery
         task = asyncio.get_running_loop().create_task(discovery.run(), name="discovery")
         self.service._tasks.append(task)
+
+    async def sync_servers(self, wanted: dict[str, str | None], managed: set[str]) -> None:
+        """``sync`` for SGLang servers: ``wanted`` maps each URL to its KV endpoint (or None);
+        a server that cannot be added now (its plugin, not up yet) is tried next time."""
+        for url, kv in wanted.items():
+            member = next((m for m in self.members.values() if m.endpoint == url), None)
+            if member is not None and member.draining_since is None:
+                continue
+            try:
+                await self.add_server(url, kv)
+            except MembershipError as e:
+                log.error("Kubernetes discovery: %s", e)
+                continue
+            managed.add(url)
+        for m in list(self.members.values()):
+            if m.endpoint in managed and m.endpoint not in wanted:
+                managed.discard(m.endpoint)
+                self.drain(m.wid)
 
     async def close(self) -> None:
         for m in list(self.members.values()):

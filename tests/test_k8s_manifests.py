@@ -10,6 +10,7 @@ replica count.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,56 @@ def test_the_pieces_agree():
     assert flag(worker["args"], "--keys")[0] in mounts
     items = sts["spec"]["template"]["spec"]["volumes"][0]["secret"]["items"]
     assert {i["path"] for i in items} == {"worker.key_secret", "authorized/router.key"}
+
+
+def sglang_objects() -> list[dict]:
+    out = []
+    for path in sorted((K8S / "sglang").glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return out
+
+
+def test_the_sglang_path_passes_sglangs_checks_and_ours(real_paths, in_a_pod, tmp_path):
+    """docs/k8s/sglang: the servers' command line passes SGLang's own parser and the plugin
+    settings ours; the router's passes the launcher's; the router finds the server pods by
+    their labels, at the ports named http and kv-events that the servers listen on, runs the
+    policy the servers' plugin runs, and may list pods."""
+    import json
+
+    pytest.importorskip("sglang")  # installed by make test (SGLFAIR_REQUIRE_SGLANG)
+    from sglang.srt.server_args import ServerArgs
+
+    from sgl_fair.launch.config import parse_config
+    from sgl_fair.worker.sglang.settings import settings_from_env
+
+    objs = sglang_objects()
+    (sts,) = [o for o in objs if o["kind"] == "StatefulSet"]
+    (dep,) = [o for o in objs if o["kind"] == "Deployment"]
+    (server,) = sts["spec"]["template"]["spec"]["containers"]
+    (router,) = dep["spec"]["template"]["spec"]["containers"]
+    key = {"$(SGLANG_API_KEY)": "k"}
+    args = [next((a.replace(k, v) for k, v in key.items() if k in a), a) for a in server["args"]]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    sargs = parser.parse_args(args)  # exits 2 on a flag SGLang does not have
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    settings = settings_from_env(env)
+    assert settings is not None
+    settings.make_policy()  # the policy and its options build
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    assert ports["http"] == sargs.port
+    kv = json.loads(sargs.kv_events_config)
+    assert kv["endpoint"].endswith(f":{ports['kv-events']}") and kv["publisher"] == "zmq"
+    rargs = [a.replace("/models/llama", str(tmp_path)).replace("$(SGLANG_API_KEY)", "k")
+             for a in router["args"]]  # fmt: skip
+    cfg = parse_config(real_paths(rargs))
+    assert cfg.backend == "sglang" and cfg.worker_discovery_k8s
+    assert cfg.schedule_policy == settings.policy
+    label_key, value = cfg.worker_discovery_k8s.split("=", 1)
+    assert sts["spec"]["template"]["metadata"]["labels"][label_key] == value
+    assert (cfg.k8s_port_name or "http") in ports
+    account = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
+    assert {"kind": "ServiceAccount", "name": account} in binding["subjects"]
+    (role,) = [o for o in objs if o["kind"] == "Role"]
+    assert any("pods" in r["resources"] and "list" in r["verbs"] for r in role["rules"])

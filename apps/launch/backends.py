@@ -220,6 +220,22 @@ def _public_ip(endpoint: str) -> bool:
     return bool(addresses) and all(a.is_global for a in addresses)
 
 
+def _check_discovery(a: argparse.Namespace, bad: Bad) -> None:
+    """``--worker-discovery-k8s`` and its ``--k8s-*`` flags."""
+    if not a.worker_discovery_k8s.strip():
+        bad("--worker-discovery-k8s: give a label selector, e.g. app=sgl-fair-worker")
+    if not a.k8s_period_s > 0:
+        bad(f"--k8s-period-s must be > 0 (got {a.k8s_period_s})")
+    if a.k8s_token_file is not None and not os.path.isfile(a.k8s_token_file):
+        bad(f"--k8s-token-file {a.k8s_token_file}: no such file")
+    from sgl_fair.router.discovery_k8s import DiscoveryError, KubeAPI
+
+    try:  # in a pod these come from its service account; else they must be given
+        KubeAPI.from_env(a.k8s_api, a.k8s_namespace, a.k8s_token_file)
+    except DiscoveryError as e:
+        bad(str(e))
+
+
 class SGLangBackend(Backend):
     name = "sglang"
     # None: SGLang sizes both per GPU; the launcher passes them only when the user gave them
@@ -239,6 +255,11 @@ class SGLangBackend(Backend):
         """The --backend sglang flags' checks; returns dp (the number of --worker-url if
         given)."""
         urls, kv = a.worker_url, a.worker_kv_endpoint
+        if a.worker_discovery_k8s is not None:  # running servers, found as pods: none started
+            if urls:  # (--model-path is then the router's tokenizer only)
+                bad("--worker-discovery-k8s finds the SGLang servers: not with --worker-url")
+            _check_discovery(a, bad)
+            return 1
         if not urls:
             if kv or a.worker_kv_replay_endpoint:
                 bad("--worker-kv-endpoint needs --worker-url (the servers it belongs to)")
@@ -305,7 +326,7 @@ class SGLangBackend(Backend):
         return tuple(passthrough) + (("--schedule-low-priority-values-first",) if low_first else ())
 
     def tokenizer_error(self, cfg: LaunchConfig, builtin: bool) -> str | None:
-        if builtin and not cfg.worker_urls:
+        if builtin and not cfg.worker_urls and not cfg.worker_discovery_k8s:
             return (
                 f"--model-path {cfg.model_path!r}: --backend sglang needs a local model "
                 "directory (the router tokenizes prompts with its tokenizer.json); download "
@@ -344,18 +365,7 @@ class RemoteBackend(Backend):
         if not a.worker_endpoint and not a.worker_endpoints_file and not a.worker_discovery_k8s:
             bad("--backend remote needs --worker-endpoint tcp://HOST:PORT (one per worker)")
         if a.worker_discovery_k8s is not None:
-            if not a.worker_discovery_k8s.strip():
-                bad("--worker-discovery-k8s: give a label selector, e.g. app=sgl-fair-worker")
-            if not a.k8s_period_s > 0:
-                bad(f"--k8s-period-s must be > 0 (got {a.k8s_period_s})")
-            if a.k8s_token_file is not None and not os.path.isfile(a.k8s_token_file):
-                bad(f"--k8s-token-file {a.k8s_token_file}: no such file")
-            from sgl_fair.router.discovery_k8s import DiscoveryError, KubeAPI
-
-            try:  # in a pod these come from its service account; else they must be given
-                KubeAPI.from_env(a.k8s_api, a.k8s_namespace, a.k8s_token_file)
-            except DiscoveryError as e:
-                bad(str(e))
+            _check_discovery(a, bad)
         if a.worker_endpoints_file and not os.path.isfile(a.worker_endpoints_file):
             bad(f"--worker-endpoints-file {a.worker_endpoints_file}: no such file")
         if a.worker_url or a.worker_kv_endpoint:

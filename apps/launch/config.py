@@ -95,7 +95,7 @@ class LaunchConfig:
     worker_endpoints_file: str | None = None  # watched: more endpoints, one a line
     # Kubernetes discovery (router/discovery_k8s.py): the ready pods of this label selector
     worker_discovery_k8s: str | None = None
-    k8s_port_name: str = "dispatch"
+    k8s_port_name: str | None = None  # None: dispatch (standalone workers), http (SGLang)
     k8s_namespace: str | None = None
     k8s_api: str | None = None
     k8s_token_file: str | None = None
@@ -247,6 +247,9 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         )  # fmt: skip
     except ValueError as e:
         bad(str(e) if str(e).startswith("--cluster-oit-opt") else f"--cluster-oit-opt: {e}")
+    if a.router_replicas is not None and a.worker_discovery_k8s:
+        bad("--router-replicas starts its workers here; --worker-discovery-k8s finds them: "
+            "run replicas as a Deployment instead (docs/k8s)")  # fmt: skip
     if a.router_only and not (a.worker_endpoint or a.worker_endpoints_file
                               or a.worker_discovery_k8s):  # fmt: skip
         bad("--router-only needs --worker-endpoint tcp://HOST:PORT (the workers to route to)")

@@ -236,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. app=sgl-fair-worker) in the namespace, at their container port --k8s-port-name; "
         "a pod that turns ready joins, one that goes is drained (implies --backend remote)",
     )  # fmt: skip
-    p.add_argument("--k8s-port-name", default="dispatch", metavar="NAME",
-                   help="the workers' container port by name (default dispatch)")  # fmt: skip
+    p.add_argument("--k8s-port-name", default=None, metavar="NAME",
+                   help="the workers' container port by name (default dispatch; with "
+                   "--backend sglang, http: the server's; its KV events: kv-events)")  # fmt: skip
     p.add_argument("--k8s-namespace", default=None,
                    help="default: the router pod's own (its service account's)")  # fmt: skip
     p.add_argument("--k8s-api", default=None, metavar="URL",

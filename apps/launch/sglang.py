@@ -38,6 +38,10 @@ class SGLangWorkers(Workers):
         self.urls = list(cfg.worker_urls)
         self.kv_endpoints = list(cfg.worker_kv_endpoints) or None
         self.kv_replay_endpoints = list(cfg.worker_kv_replay_endpoints) or None
+        if cfg.worker_discovery_k8s:  # the servers are pods, found at run time
+            self.local_workers = 0
+            self.follow_kv_events = True  # a pod that names its kv-events port is followed
+            return
         if not self.urls:
             self.servers = sglang_servers(cfg, tenants)
             self.urls = [server_url(s.argv) for s in self.servers.servers]
@@ -57,6 +61,16 @@ class SGLangWorkers(Workers):
         from sgl_fair.worker.sglang.bridge import Bridge, bridge_main
         from sgl_fair.worker.sglang.bridge_link import HostedBridge, LocalLink
 
+        if self.cfg.worker_discovery_k8s:
+            from sgl_fair.launch.workers import k8s_discovery
+
+            discovery = k8s_discovery(self.cfg)
+            state.membership.discover(discovery, port=self.cfg.k8s_port_name or "http")
+            router = state.service.router
+            for u in router.workers:  # the router's first ids: no server holds them yet
+                if u not in state.service.workers:
+                    router.remove_worker(u)
+            return
         servers = self.servers
         pids = [s.pid for s in servers.servers] if servers else [None] * len(self.urls)
         bridges = bridge_configs(

@@ -162,7 +162,8 @@ class RemoteWorkers(Workers):
         if self.cfg.worker_endpoints_file:
             state.membership.watch(self.cfg.worker_endpoints_file)
         if self.cfg.worker_discovery_k8s:
-            state.membership.discover(k8s_discovery(self.cfg))
+            state.membership.discover(k8s_discovery(self.cfg),
+                                      port=self.cfg.k8s_port_name or "dispatch")  # fmt: skip
         router, members = state.service.router, state.service.workers
         for u in router.workers:  # the router's first ids that no worker took
             if u not in members:
@@ -186,9 +187,8 @@ def k8s_discovery(cfg: LaunchConfig) -> Any:
 
     api = KubeAPI.from_env(cfg.k8s_api, cfg.k8s_namespace, cfg.k8s_token_file)
     return KubeDiscovery(
-        api, cfg.worker_discovery_k8s or "", lambda found: None,
-        port_name=cfg.k8s_port_name, period_s=cfg.k8s_period_s,
-    )  # fmt: skip
+        api, cfg.worker_discovery_k8s or "", lambda found: None, period_s=cfg.k8s_period_s
+    )
 
 
 def sim_worker_configs(cfg: LaunchConfig, state: Any, backend: Backend | None = None) -> list[Any]:

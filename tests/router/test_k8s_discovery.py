@@ -9,37 +9,16 @@ without ``--k8s-api`` is refused at start, naming the flag.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
 import httpx
+from kube_helpers import SELECTOR, TOKEN, FakeKube, pod
 from live_helpers import launched
 from remote_helpers import free_port_pair, start_worker
 
 from sgl_fair.router.discovery_k8s import ready_endpoints
-
-TOKEN = "test-sa-token"
-SELECTOR = "app=sgl-fair-worker"
-
-
-def pod(name: str, port: int, *, ready: bool = True, deleting: bool = False, ip="127.0.0.1",
-        port_name: str = "dispatch") -> dict:  # fmt: skip
-    meta: dict = {"name": name, "labels": {"app": "sgl-fair-worker"}}
-    if deleting:
-        meta["deletionTimestamp"] = "2026-11-29T07:00:00Z"
-    return {
-        "metadata": meta,
-        "spec": {"containers": [{"name": "worker", "ports": [
-            {"name": port_name, "containerPort": port}, {"name": "kv-events",
-                                                          "containerPort": port + 1}]}]},
-        "status": {"phase": "Running", "podIP": ip, "conditions": [
-            {"type": "Ready", "status": "True" if ready else "False"}]},
-    }  # fmt: skip
 
 
 def test_ready_endpoints_takes_ready_running_pods_at_the_named_port():
@@ -53,44 +32,6 @@ def test_ready_endpoints_takes_ready_running_pods_at_the_named_port():
         "tcp://10.0.0.2:31000", "tcp://127.0.0.1:31000", "tcp://[fd00::5]:31000"
     ]  # fmt: skip
     assert ready_endpoints({}, "dispatch") == [] and ready_endpoints(None, "dispatch") == []
-
-
-class FakeKube:
-    """``GET /api/v1/namespaces/test/pods?labelSelector=…`` answers ``self.pods`` to a caller
-    with the token (401 otherwise); every request's selector is kept."""
-
-    def __init__(self) -> None:
-        self.pods: list[dict] = []
-        self.selectors: list[str] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                url = urlparse(self.path)
-                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                    return self._send(401, {"kind": "Status", "code": 401})
-                if url.path != "/api/v1/namespaces/test/pods":
-                    return self._send(404, {"kind": "Status", "code": 404})
-                fake.selectors += parse_qs(url.query).get("labelSelector", [])
-                self._send(200, {"kind": "PodList", "items": list(fake.pods)})
-
-            def _send(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 def _until(cond, what: str, timeout_s: float = 30.0) -> None:
@@ -121,7 +62,7 @@ def test_a_router_follows_the_ready_pods_of_a_selector(tmp_path):
             body = {"input_ids": [7] * 32, "sampling_params": {"max_new_tokens": 4}}
             assert httpx.post(live.url + "/generate", json=body, timeout=30).status_code == 200
             kube.pods = [pod("w0", ports[0]), pod("w1", ports[1])]  # w1 turns ready
-            _until(lambda: alive() == [ep0, ep1], "w1 never joined")
+            _until(lambda: alive() == sorted([ep0, ep1]), "w1 never joined")
             kube.pods = [pod("w0", ports[0], deleting=True), pod("w1", ports[1])]
             _until(lambda: [w["endpoint"] for w in live.info()["workers"]] == [ep1],
                    "w0 was never removed")  # fmt: skip

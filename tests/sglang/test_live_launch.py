@@ -285,6 +285,42 @@ def test_post_workers_adds_a_running_sglang_server_and_delete_drains_it(live, tm
     assert httpx.get(url1 + "/health", headers=AUTH, timeout=10).status_code == 200
 
 
+def test_a_router_finds_sglang_servers_as_kubernetes_pods(live, tmp_path):
+    """``--backend sglang --worker-discovery-k8s``: the ready pods of the selector (a fake API
+    server) are the router's servers, each checked and bridged as ``POST /workers`` does; a
+    terminating pod's server is drained and removed."""
+    from kube_helpers import SELECTOR, TOKEN, FakeKube, pod
+
+    url1 = live.info()["workers"][1]["url"]
+    port1 = int(url1.rsplit(":", 1)[1])
+    kube = FakeKube()
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    kube.pods = [pod("sglang-1", port1, port_name="http", kv=False)]
+    args = (
+        "--backend", "sglang", "--worker-discovery-k8s", SELECTOR, "--k8s-api", kube.url,
+        "--k8s-namespace", "test", "--k8s-token-file", str(token), "--k8s-period-s", "0.2",
+        "--heartbeat-timeout", "30", "--schedule-policy", POLICY, "--worker-api-key", KEY,
+    )  # fmt: skip
+    try:
+        with launched(*args, tmp_path=tmp_path) as other:
+            deadline = time.monotonic() + 60
+            while not [w for w in other.info()["workers"] if w["alive"]]:
+                assert time.monotonic() < deadline, other.log()[-3000:]
+                time.sleep(0.2)
+            (w,) = other.info()["workers"]
+            assert w["url"] == url1 and f"(sgl-fair {POLICY})" in w["engine"]
+            assert _gen(other.url, "through a discovered server", 4).status_code == 200
+            kube.pods = [pod("sglang-1", port1, port_name="http", kv=False, deleting=True)]
+            deadline = time.monotonic() + 30
+            while other.info()["workers"]:
+                assert time.monotonic() < deadline, other.info()["workers"]
+                time.sleep(0.2)
+    finally:
+        kube.close()
+    assert httpx.get(url1 + "/health", headers=AUTH, timeout=10).status_code == 200
+
+
 def _launch_fails(*args: str) -> str:
     port = live_rig.free_port()
     cmd = [sys.executable, "-m", "sgl_fair.launch", "--port", str(port), *args]
