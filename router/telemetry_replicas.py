@@ -13,6 +13,12 @@ Per router (``sgl_fair_replica_*``; a plain router reports zeros):
   the bound's ``τ = p + 2δ`` assumes stays near one report period;
 * ``peer_requests{worker}``: the other replicas' requests on each worker at its last report.
 
+Membership (``router/membership.py``, once the server runs): ``sgl_fair_workers{state}``
+(starting, ready, draining, dead), ``sgl_fair_workers_added_total`` and
+``sgl_fair_workers_removed_total``; with Kubernetes discovery ``sgl_fair_discovery_lists_total``
+and ``sgl_fair_discovery_failures_total`` (pod lists read, and not read: the workers then stay
+as they are).
+
 Per worker, for every router: ``sgl_fair_worker_kv_event_gaps_total{worker}`` — KV-event
 batches the router never received (a gap in the publisher's sequence numbers) and could not
 replay: each leaves the global tree missing what the lost events stored or removed, until
@@ -34,6 +40,7 @@ class ReplicaCollector:
 
     def __init__(self, service: Any = None) -> None:
         self.service = service
+        self.membership: Any = None  # set once the server runs (apps/launch/serve.py)
 
     def watch(self, service: Any) -> None:
         self.service = service
@@ -85,3 +92,33 @@ class ReplicaCollector:
             if seen is not None:
                 age.add_metric(label, max(0.0, now - seen))
         yield from (rows, age, peers, gaps, replayed)
+        yield from self._membership()
+
+    def _membership(self) -> Iterator[Any]:
+        m = self.membership
+        if m is None:
+            return
+        states = GaugeMetricFamily("sgl_fair_workers", "Workers by membership state",
+                                   labels=["state"])  # fmt: skip
+        counts = dict.fromkeys(("starting", "ready", "draining", "dead"), 0)
+        for wid in m.members:
+            counts[m.state(wid)] = counts.get(m.state(wid), 0) + 1
+        for state, n in counts.items():
+            states.add_metric([state], n)
+        yield states
+        for name, value, doc in (
+            ("sgl_fair_workers_added", m.num_added, "Workers added at run time"),
+            ("sgl_fair_workers_removed", m.num_removed, "Workers removed at run time"),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        d = m.discovery
+        if d is not None:
+            for name, value, doc in (
+                ("sgl_fair_discovery_lists", d.num_lists, "Pod lists read (Kubernetes)"),
+                ("sgl_fair_discovery_failures", d.num_failures, "Pod lists not read"),
+            ):
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], value)
+                yield c

@@ -121,6 +121,7 @@ def serve(cfg: LaunchConfig, *, ready_file: str | None = None) -> int:
             server_link=workers.server_links(state), insecure=cfg.insecure,
         )  # fmt: skip
         state.membership.start()
+        state.telemetry.replicas.membership = state.membership  # on /metrics
         workers.start(state)
         try:
             await state.service.wait_ready(cfg.startup_timeout_s, cfg.min_ready_workers)

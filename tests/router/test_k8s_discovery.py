@@ -68,6 +68,14 @@ def test_a_router_follows_the_ready_pods_of_a_selector(tmp_path):
                    "w0 was never removed")  # fmt: skip
             assert httpx.post(live.url + "/generate", json=body, timeout=30).status_code == 200
             assert set(kube.selectors) == {SELECTOR}
+            metrics = httpx.get(live.url + "/metrics", timeout=10).text
+            assert 'sgl_fair_workers{state="ready"} 1.0' in metrics
+            assert "sgl_fair_workers_added_total 2.0" in metrics
+            assert "sgl_fair_workers_removed_total 1.0" in metrics
+            lists = next(ln for ln in metrics.splitlines()
+                         if ln.startswith("sgl_fair_discovery_lists_total"))  # fmt: skip
+            assert float(lists.split()[-1]) >= 3
+            assert "sgl_fair_discovery_failures_total 0.0" in metrics
             for proc in procs:  # not the launcher's: they must not outlive the test
                 proc.kill()
                 proc.wait(10)
