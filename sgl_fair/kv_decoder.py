@@ -235,7 +235,7 @@ class KVEventDecoder:
         if m < n:
             new = vals[k:n] < 0
             m = n if new.all() else k + int(np.argmin(new))
-            if m > k and len(np.unique(keys[k:m])) < m - k:  # a hash twice in the event
+            if m > k and len(set(hashes[k:m])) < m - k:  # a hash twice in the event
                 seen: set[int] = set()
                 m = k
                 while m < n and vals[m] < 0 and hashes[m] not in seen:
