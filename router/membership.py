@@ -265,7 +265,7 @@ class Membership:
         ``http://POD:<port>`` with its KV events at ``tcp://POD:<kv_port>`` if the pod names
         that port (``sync_servers``)."""
         managed: set[str] = set()
-        warned: set[str] = set()
+        warned: set[str] = set()  # endpoints (or URLs) whose refusal was said already
         pending: list[asyncio.Task] = []
 
         def on_change(pods: list[tuple[str, dict[str, int]]]) -> None:
@@ -275,7 +275,7 @@ class Membership:
                     for host, ports in pods if port in ports}  # fmt: skip
                 if not pending or pending[-1].done():  # one sync at a time
                     pending[:] = [asyncio.get_running_loop().create_task(
-                        self.sync_servers(servers, managed))]  # fmt: skip
+                        self.sync_servers(servers, managed, warned))]  # fmt: skip
                 return
             wanted = []
             for host, ports in pods:
@@ -296,9 +296,13 @@ class Membership:
         task = asyncio.get_running_loop().create_task(discovery.run(), name="discovery")
         self.service._tasks.append(task)
 
-    async def sync_servers(self, wanted: dict[str, str | None], managed: set[str]) -> None:
+    async def sync_servers(
+        self, wanted: dict[str, str | None], managed: set[str], warned: set[str] | None = None
+    ) -> None:
         """``sync`` for SGLang servers: ``wanted`` maps each URL to its KV endpoint (or None);
-        a server that cannot be added now (its plugin, not up yet) is tried next time."""
+        a server that cannot be added now (its plugin, not up yet) is tried next time, its
+        refusal said once (``warned``) until it is added."""
+        warned = set() if warned is None else warned
         for url, kv in wanted.items():
             member = next((m for m in self.members.values() if m.endpoint == url), None)
             if member is not None and member.draining_since is None:
@@ -306,8 +310,11 @@ class Membership:
             try:
                 await self.add_server(url, kv)
             except MembershipError as e:
-                log.error("Kubernetes discovery: %s", e)
+                if url not in warned:
+                    warned.add(url)
+                    log.error("Kubernetes discovery: %s (tried again every period)", e)
                 continue
+            warned.discard(url)
             managed.add(url)
         for m in list(self.members.values()):
             if m.endpoint in managed and m.endpoint not in wanted:
