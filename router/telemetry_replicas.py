@@ -95,30 +95,23 @@ class ReplicaCollector:
         yield from self._membership()
 
     def _membership(self) -> Iterator[Any]:
+        """Zeros until the server runs (and without discovery), as the replica counts are."""
         m = self.membership
-        if m is None:
-            return
         states = GaugeMetricFamily("sgl_fair_workers", "Workers by membership state",
                                    labels=["state"])  # fmt: skip
         counts = dict.fromkeys(("starting", "ready", "draining", "dead"), 0)
-        for wid in m.members:
+        for wid in m.members if m is not None else ():
             counts[m.state(wid)] = counts.get(m.state(wid), 0) + 1
         for state, n in counts.items():
             states.add_metric([state], n)
         yield states
+        d = m.discovery if m is not None else None
         for name, value, doc in (
-            ("sgl_fair_workers_added", m.num_added, "Workers added at run time"),
-            ("sgl_fair_workers_removed", m.num_removed, "Workers removed at run time"),
+            ("sgl_fair_workers_added", m.num_added if m else 0, "Workers added at run time"),
+            ("sgl_fair_workers_removed", m.num_removed if m else 0, "Workers removed at run time"),
+            ("sgl_fair_discovery_lists", d.num_lists if d else 0, "Pod lists read (Kubernetes)"),
+            ("sgl_fair_discovery_failures", d.num_failures if d else 0, "Pod lists not read"),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
-        d = m.discovery
-        if d is not None:
-            for name, value, doc in (
-                ("sgl_fair_discovery_lists", d.num_lists, "Pod lists read (Kubernetes)"),
-                ("sgl_fair_discovery_failures", d.num_failures, "Pod lists not read"),
-            ):
-                c = CounterMetricFamily(name, doc)
-                c.add_metric([], value)
-                yield c
