@@ -146,11 +146,11 @@ class KubeDiscovery:
         self.num_failures = 0
         self.last: list[Pod] | None = None  # the last pods read
         self._failing = False
-
-    def _ssl(self) -> ssl.SSLContext | bool:
-        if not self.api.server.startswith("https://"):
-            return False
-        return ssl.create_default_context(cafile=self.api.ca_file)
+        # built once (it reads the CA file), not on every list
+        self._ssl: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=api.ca_file)
+            if api.server.startswith("https://") else False
+        )  # fmt: skip
 
     async def list_once(self, http: Any) -> list[Pod] | None:
         """The ready pods now, or None when the API server could not be read."""
@@ -159,7 +159,7 @@ class KubeDiscovery:
         headers = {"Authorization": f"Bearer {self.api.token}"} if self.api.token else {}
         try:
             async with http.get(
-                self.api.pods_url(self.selector), headers=headers, ssl=self._ssl(),
+                self.api.pods_url(self.selector), headers=headers, ssl=self._ssl,
                 timeout=aiohttp.ClientTimeout(total=10),
             ) as r:  # fmt: skip
                 if r.status != 200:
