@@ -18,14 +18,18 @@ own dispatches only. With one replica and ``shared=True`` the reports add nothin
 decides exactly as a plain ``Router``.
 
 Each dispatch is tagged for the worker's ledger: ``last_tag`` = ``(replica, charge)``
-after ``dispatch`` (the live transport carries it with the ``Dispatch``). The charge is the
-prompt's extend on the chosen worker by this replica's tree (``input_len − matched_len_on_u``,
-D2LPM's dispatch charge before weights).
+after ``dispatch``, and the ``Dispatch``'s own ``tag`` (the live transport sends the first to
+standalone workers as a frame before the ``Dispatch``; a bridge sends the second to its
+SGLang server's plugin, whose ledger ``/server_info`` reports: ``worker/sglang/ledger.py``).
+The charge is the prompt's extend on the chosen worker by this replica's tree
+(``input_len − matched_len_on_u``, D2LPM's dispatch charge before weights).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import msgspec
 
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
 from sgl_fair.request import Request
@@ -67,6 +71,7 @@ class ReplicaRouter(Router):
             charge = req.input_len - match.per_worker.get(dispatch.worker, 0)
             self.state.dispatched(dispatch.worker, req.client, charge)
             self.last_tag = (self.replica, charge)
+            dispatch = msgspec.structs.replace(dispatch, tag=self.last_tag)
         return dispatch
 
     def handle(self, msg: Tokens | Finished | Evicted | Load, now: float) -> None:

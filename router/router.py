@@ -52,9 +52,9 @@ class WorkerStats:
 class Router:
     """Implements ``RouterView`` for its policy (``now``, ``workers``, ``queue_len``, ``tree``)."""
 
-    # The ``(replica, seq, charge)`` tag of the dispatch just made, for the transport to send
+    # The ``(replica, charge)`` tag of the dispatch just made, for the transport to send
     # with it and clear: a single router tags nothing (router replicas do: router/replica.py).
-    last_tag: tuple[int, int, int] | None = None
+    last_tag: tuple[int, int] | None = None
 
     def __init__(
         self,

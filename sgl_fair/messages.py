@@ -42,6 +42,10 @@ class Dispatch(msgspec.Struct, frozen=True, gc=False):
     worker: int
     req: Request
     sent_s: float
+    # A router replica's ``(replica, charge)`` for the worker's service ledger
+    # (``router/replica.py``): a bridge sends it to its SGLang server's plugin; standalone
+    # workers take it from the ``DispatchTag`` frame sent before (``sgl_fair/remote.py``).
+    tag: tuple[int, int] | None = None
 
 
 class Tokens(msgspec.Struct, frozen=True, gc=False):

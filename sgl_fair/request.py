@@ -108,6 +108,24 @@ def apply_call_params(req: Request, value: Any) -> None:
         req.oit_checked = True
 
 
+# Where a router replica's dispatch tag rides to an SGLang server (``[replica, charge]``:
+# who dispatched it and the extend tokens it charged the client): what our bridge writes
+# and our plugin's service ledger reads back (``tag_pair``), so replicas over SGLang servers
+# share one fairness state as over standalone workers (docs/replicas.md).
+TAG_PARAM = "sgl_fair_tag"
+
+
+def tag_pair(value: Any) -> tuple[int, int] | None:
+    """``(replica, charge)`` from ``TAG_PARAM``'s value, or None unless it is two ints >= 0
+    (never raises: the plugin runs inside SGLang's scheduler)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    replica, charge = value
+    if type(replica) is not int or type(charge) is not int or replica < 0 or charge < 0:
+        return None
+    return replica, charge
+
+
 _seq = itertools.count()
 
 

@@ -55,6 +55,7 @@ class DispatchWire(msgspec.Struct, array_like=True, frozen=True, gc=False):
     worker: int
     sent_s: float
     req: RequestWire  # type: ignore[valid-type]
+    tag: tuple[int, int] | None = None  # Dispatch.tag (a router replica's, to a bridge)
 
 
 # kind byte <-> message type; never renumber (a router and its workers must agree).
@@ -83,7 +84,7 @@ def encode(msg: Any) -> bytes:
     if type(msg) is Dispatch:
         req = msg.req
         wire = RequestWire(*[getattr(req, name) for name in SUBMITTED_FIELDS])
-        msg = DispatchWire(msg.worker, msg.sent_s, wire)
+        msg = DispatchWire(msg.worker, msg.sent_s, wire, msg.tag)
     kind = _KINDS.get(type(msg))
     if kind is None:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
@@ -103,7 +104,7 @@ def decode(frame: bytes) -> Any:
     if type(msg) is DispatchWire:
         r = msg.req
         req = Request(**{name: getattr(r, name) for name in SUBMITTED_FIELDS})
-        return Dispatch(msg.worker, req, msg.sent_s)
+        return Dispatch(msg.worker, req, msg.sent_s, msg.tag)
     return msg
 
 

@@ -32,6 +32,7 @@ it counts its output then, and the other replicas through the next report.
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from sgl_fair.messages import ServiceReport
@@ -63,7 +64,8 @@ class ServiceLedger:
         self.idle_reports = idle_reports
         self._rows: dict[tuple[int, str], _Row] = {}
         self._changed: set[tuple[int, str]] = set()
-        self._rids: dict[str, tuple[tuple[int, str], str | None]] = {}  # rid -> row, interaction
+        # rid (the plugin's: id of SGLang's Req) -> its row, its interaction
+        self._rids: dict[Hashable, tuple[tuple[int, str], str | None]] = {}
         self._births = 0
         self._requests: dict[int, int] = {}  # replica -> its requests here
         self._reports = 0
@@ -92,7 +94,7 @@ class ServiceLedger:
 
     def received(
         self,
-        rid: str,
+        rid: Hashable,
         replica: int,
         client: str,
         charge: int,
@@ -120,7 +122,7 @@ class ServiceLedger:
             raise ValueError(f"charge must be >= 0 (got {charge})")
         self._row(replica, client)[1].extend += charge
 
-    def sent(self, rid: str, num_output: int) -> None:
+    def sent(self, rid: Hashable, num_output: int) -> None:
         """The ``Finished`` of ``rid`` (ok or not) is being sent with ``num_output`` tokens;
         nothing for a request no tag came with."""
         entry = self._rids.pop(rid, None)

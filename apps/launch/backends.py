@@ -69,8 +69,13 @@ class Backend:
     replicable: ClassVar[bool] = True
     # Its workers report the service every router dispatched to them (``ServiceReport`` with
     # each ``Load``), so router replicas over them can share one fairness state
-    # (``--replica-state shared``; docs/replicas.md). SGLang's plugin sends none.
+    # (``--replica-state shared``; docs/replicas.md).
     reports_service: ClassVar[bool] = False
+    # ... but only when asked, at a cost to them (SGLang's plugin: its ledger in the
+    # scheduler's state, read through ``/server_info`` by each bridge): only a router that
+    # is one of several replicas (``--tenant-limits-split`` > 1, which ``--router-replicas``
+    # sets) asks, so a single router over them costs them nothing.
+    service_on_request: ClassVar[bool] = False
     # Flags of our own engine and scheduler that this backend's workers never read: given
     # with it, they are an error naming the flag (else accepted and silently ignored).
     ignores: ClassVar[tuple[str, ...]] = ()
@@ -244,6 +249,8 @@ class SGLangBackend(Backend):
     features = EngineFeatures(passthrough=True)
     kv_allocator = False
     sglang_servers = True
+    reports_service = True  # the plugin's service ledger (worker/sglang/ledger.py)
+    service_on_request = True
     # SGLang's own scheduler and model run the requests: no simulated GPU, clock or EOS (the
     # share guard runs through SGLang's priority preemption: worker/sglang/share_preempt.py)
     ignores = ("gpu", "time_scale", "sim_eos")

@@ -268,7 +268,11 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
             if not os.path.isfile(os.path.join(a.worker_keys, name)):
                 bad(f"--worker-keys {a.worker_keys}: {name} is missing (python -m "
                     "sgl_fair.worker --make-keys DIR writes both)")  # fmt: skip
-    shared = backend.reports_service and a.replica_state == "shared"
+    shared = (
+        backend.reports_service
+        and a.replica_state == "shared"
+        and (not backend.service_on_request or a.tenant_limits_split > 1)
+    )
     if a.tenants is not None:
         try:
             load_tenants(a.tenants)

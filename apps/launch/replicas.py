@@ -12,9 +12,9 @@ For trying replicas and for tests; in production each replica is its own
 
 The backend says which workers (``Backend.replica_workers``): standalone sim/torch workers
 (``StandaloneWorkers``, below), or SGLang servers (``apps/launch/sglang.py``) that every
-replica's bridges reach over HTTP, each server's KV events followed by every replica. SGLang
-servers report no per-client service (``docs/replicas.md``), so over them the replicas'
-D2LPM deficits are per replica; the servers' own fair policy sees every replica's requests.
+replica's bridges reach over HTTP, each server's KV events followed by every replica; over
+both the replicas share one fairness state through the workers' service reports (over SGLang
+servers, the plugin's ledger that each bridge reads: ``docs/replicas.md``).
 
 Tenants, keys and limits come from the same ``--tenants`` file in every replica. The limits
 that must hold for the whole cluster are split: each replica enforces ``1/R`` of every

@@ -58,8 +58,9 @@ class SGLangWorkers(Workers):
             self.servers.start()  # before any thread exists: they are forked with a death signal
 
     def start(self, state: Any) -> None:
-        from sgl_fair.worker.sglang.bridge import Bridge, bridge_main
+        from sgl_fair.worker.sglang.bridge import Bridge
         from sgl_fair.worker.sglang.bridge_link import HostedBridge, LocalLink
+        from sgl_fair.worker.sglang.relay import bridge_main
 
         if self.cfg.worker_discovery_k8s:
             from sgl_fair.launch.workers import k8s_discovery
@@ -121,11 +122,12 @@ class SharedServers:
     """``--router-replicas`` over SGLang: the launcher starts the ``dp`` servers once (or
     takes the ``--worker-url`` ones) and every replica runs its own bridges to each, as a
     second router over a running server does (``--worker-url``), following each server's KV
-    events beside the others. The servers' plugin reports no per-client service, so each
-    replica's D2LPM deficits count its own dispatches (``shares_service`` False); the
-    servers' own policy sees every replica's requests."""
+    events beside the others. Each server's plugin keeps the service ledger of every
+    replica's tagged dispatches, which each replica's bridges read (``/server_info``) and
+    send with their ``Load``: the replicas share D2LPM's deficits and see each other's
+    requests in the queues; the servers' own policy sees every replica's requests."""
 
-    shares_service = False
+    shares_service = True
 
     def __init__(self, cfg: LaunchConfig, avoid: set[int]) -> None:
         from sgl_fair.config import load_tenants
@@ -266,6 +268,7 @@ def bridge_configs(
             api_key=cfg.worker_api_key,
             expect_policy=cfg.schedule_policy,
             expect_opts=opts,
+            share_service=cfg.replica_id is not None,  # a replica that shares fairness
         )
         for i, (url, pid) in enumerate(zip(urls, server_pids, strict=True))
     ]

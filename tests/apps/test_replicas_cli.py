@@ -44,6 +44,18 @@ def test_remote_endpoints_make_a_router_only_replica():
     assert off_host.worker_endpoints == ("tcp://10.2.3.4:5000",)
 
 
+def test_a_router_over_sglang_servers_shares_service_only_as_one_of_several_replicas():
+    """The plugin's ledger is read through /server_info, at a cost to the servers: a single
+    router over them does not read it; one of R replicas (--tenant-limits-split R) does."""
+    url = ["--backend", "sglang", "--worker-url", "http://127.0.0.1:31000"]
+    single = parse_config(url)
+    assert single.replica_id is None
+    replica = parse_config([*url, "--tenant-limits-split", "2"])
+    assert replica.replica_id is not None
+    alone = parse_config([*url, "--tenant-limits-split", "2", "--replica-state", "independent"])
+    assert alone.replica_id is None
+
+
 def test_limits_split_over_replicas():
     table = parse_tenants({
         "defaults": {"max_inflight": 5, "rpm": 60},

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
+import msgspec
 from sglang.srt.environ import envs
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
@@ -257,7 +258,8 @@ class FairSchedulePolicy(SchedulePolicy):
                 "held": len(self.ledger), "rejected": self.ledger.num_rejected,
                 "shadow": self.shadow is not None,
                 "share_preemptions_marked": None if self.share is None
-                else self.share.num_marked}  # fmt: skip
+                else self.share.num_marked,
+                "service": msgspec.to_builtins(self.ledger.service_report())}  # fmt: skip
 
     def after_add_one_req(self, adder: Any, req: Req, result: AddReqResult) -> None:
         """``PrefillAdder.add_one_req`` returned: charge an admission, place the next choice."""

@@ -32,8 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,6 +48,7 @@ from sgl_fair.messages import (
     Flushed,
     Hello,
     Load,
+    ServiceReport,
     Shutdown,
 )
 from sgl_fair.request import Request
@@ -68,9 +67,10 @@ from .http_api import (
     plugin_check,
     probe_server,
     retry_after_header,
+    service_report,
     status_outcome,
 )
-from .relay import TokenBatch, process_alive, read_to_end, run_loop
+from .relay import TokenBatch, process_alive, read_to_end
 
 log = logging.getLogger("sgl_fair.bridge")
 
@@ -103,6 +103,11 @@ class BridgeConfig:
     # a server without it is refused (EXIT_NOT_FAIR); other options are a warning.
     expect_policy: str | None = None
     expect_opts: dict[str, Any] = field(default_factory=dict)
+    # This router is one of several replicas that share fairness (``router/replica.py``):
+    # read the plugin's service ledger every ``service_poll_interval_s`` (``/server_info``)
+    # and send it with the next ``Load``, as a standalone worker sends its own.
+    share_service: bool = False
+    service_poll_interval_s: float = 0.5
 
 
 # ---- the process -----------------------------------------------------------------------------
@@ -121,6 +126,7 @@ class Job:
     req: Request
     stream: StreamState
     rid: str = field(default_factory=sglang_rid)  # the rid SGLang knows the request by
+    tag: tuple[int, int] | None = None  # a router replica's (replica, charge): Dispatch.tag
     task: asyncio.Task | None = None
     abort_reason: str | None = None
     hang_up: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -136,6 +142,7 @@ class Bridge:
         self.info = ServerInfo()
         self.jobs: dict[str, Job] = {}
         self.loads: dict[str, Any] | None = None  # SGLang's latest /v1/loads entry
+        self.service: ServiceReport | None = None  # the plugin's ledger, read, not yet sent
         self.done = asyncio.Event()
         self.exit_code = 0
         # a bridge process watches its launcher; one inside the router has none to watch
@@ -239,6 +246,8 @@ class Bridge:
         log.info("bridge %d: %s ready (%s)", cfg.wid, self.url, self.info.engine)
         for coro in (self._load_loop(), self._health_loop(), self._poll_loads()):
             self._spawn(coro)
+        if cfg.share_service:
+            self._spawn(self._poll_service())
 
     async def _healthy(self, timeout_s: float) -> bool:
         try:
@@ -257,7 +266,7 @@ class Bridge:
             stream = StreamState(
                 incremental=self.info.incremental, want_logprobs=req.return_logprob
             )
-            job = Job(req, stream)
+            job = Job(req, stream, tag=msg.tag)
             if self.server_down:  # answered at once: the router sends it elsewhere
                 why = f"SGLang server {self.url} is not answering"
                 self.send(self._finished(job, Outcome(FinishReason.ABORTED, why), lost=True))
@@ -302,8 +311,9 @@ class Bridge:
             num_waiting = max(int(snap.get("num_waiting_reqs", 0)), len(self.jobs) - num_running)
             kv_used = int(snap.get("num_used_tokens", 0))
             kv_cap = int(snap.get("max_total_num_tokens") or kv_cap)
+        service, self.service = self.service, None  # each report read goes out once
         return Load(self.cfg.wid, time.time(), num_waiting, num_running, kv_used, 0, kv_cap,
-                    boot=self.boot)  # fmt: skip
+                    service=service, boot=self.boot)  # fmt: skip
 
     async def _poll_loads(self) -> None:
         """SGLang's ``GET /v1/loads``; stops at the first answer that is not one (a server
@@ -316,6 +326,20 @@ class Bridge:
                 return
             self.loads = loads[0]
             await asyncio.sleep(self.cfg.load_poll_interval_s)
+
+    async def _poll_service(self) -> None:
+        """The plugin's service ledger for the router replicas; said once if there is none."""
+        said = None
+        while True:
+            got = await service_report(self.http, self.url)
+            if isinstance(got, str):
+                if got != said:
+                    log.warning("bridge %d: %s shares no service with the other router "
+                                "replicas: %s", self.cfg.wid, self.url, got)  # fmt: skip
+                said = got
+            else:
+                self.service, said = got, None
+            await asyncio.sleep(self.cfg.service_poll_interval_s)
 
     async def _health_loop(self) -> None:
         cfg = self.cfg
@@ -375,6 +399,7 @@ class Bridge:
             rid=job.rid,
             class_priority=self.cfg.class_priority,
             low_priority_first=self.info.low_priority_first,  # the server's own direction
+            tag=job.tag,
         )
         resp: aiohttp.ClientResponse | None = await self.http.post(
             self.url + "/generate", json=body
@@ -454,28 +479,4 @@ class Bridge:
         self.link.close()
 
 
-def bridge_main(cfg: BridgeConfig) -> None:
-    """Process entry point (multiprocessing spawn target); exits non-zero when its server
-    is gone, so the router's process watch marks the worker dead."""
-    logging.basicConfig(
-        level=cfg.log_level.upper(), format=f"%(asctime)s bridge{cfg.wid} %(levelname)s %(message)s"
-    )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher shuts us down in order
-    code = 1
-
-    async def main() -> int:
-        bridge = Bridge(cfg)
-        try:
-            return await bridge.run()
-        finally:
-            bridge.close()
-
-    try:
-        code = run_loop(main())
-    finally:
-        sys.stdout.flush()
-    if code:
-        sys.exit(code)
-
-
-__all__ = ["Bridge", "BridgeConfig", "bridge_main"]
+__all__ = ["Bridge", "BridgeConfig"]

@@ -23,8 +23,15 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from sgl_fair.messages import FinishReason
-from sgl_fair.request import CALL_PARAM, SLO_PARAM, Request, ServiceClass, call_params
+from sgl_fair.messages import FinishReason, ServiceReport
+from sgl_fair.request import (
+    CALL_PARAM,
+    SLO_PARAM,
+    TAG_PARAM,
+    Request,
+    ServiceClass,
+    call_params,
+)
 from sgl_fair.worker.sglang.settings import class_priority_values
 
 # A 429 inside a stream carries no Retry-After header: when to retry, then.
@@ -104,6 +111,29 @@ async def get_json(http: aiohttp.ClientSession, url: str, timeout_s: float) -> A
         return None
 
 
+async def service_report(
+    http: aiohttp.ClientSession, url: str, timeout_s: float = 5.0
+) -> ServiceReport | str:
+    """The service ledger our plugin keeps (``worker/sglang/ledger.py``), from the
+    scheduler's state in ``/server_info``: a full ``ServiceReport``; else a line saying why
+    there is none (the server did not answer; its plugin keeps no ledger; it runs more than
+    one scheduler, whose ledgers this bridge cannot tell apart)."""
+    info = await get_json(http, url + "/server_info", timeout_s)
+    states = info.get("internal_states") if isinstance(info, dict) else None
+    if not isinstance(states, list) or not states:
+        return "its /server_info did not answer with the schedulers' state"
+    if len(states) > 1:
+        return f"it runs {len(states)} schedulers (data parallel inside one server)"
+    plugin = states[0].get(PLUGIN_KEY) if isinstance(states[0], dict) else None
+    raw = plugin.get("service") if isinstance(plugin, dict) else None
+    if raw is None:
+        return "its sgl-fair plugin keeps no service ledger (an older sgl-fair)"
+    try:
+        return msgspec.convert(raw, ServiceReport)
+    except msgspec.ValidationError as e:
+        return f"its plugin's service ledger is not one: {e}"
+
+
 def _positive_int(*values: Any) -> int | None:
     for v in values:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -155,6 +185,7 @@ def generate_body(
     rid: str | None = None,
     class_priority: bool = False,
     low_priority_first: bool = False,
+    tag: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The streaming ``/generate`` body for ``req`` (SGLang's native API), sent as ``rid``
     (the bridge's own unique rid per call; default the request's). The client's
@@ -162,8 +193,16 @@ def generate_body(
     sampling keys (``req.sampling``: constrained decoding, ...) go in untouched; the keys
     the bridge itself sets (prompt, streaming, rid, logprobs; ``class_priority``: the
     request's RT/BE class as SGLang's ``priority`` in the server's direction,
-    ``low_priority_first``, and an RT request's SLOs in ``custom_params``) win."""
+    ``low_priority_first``, and an RT request's SLOs in ``custom_params``) win; ``tag``: a
+    router replica's ``(replica, charge)`` for the plugin's service ledger (``TAG_PARAM``;
+    a client's own value of that key never reaches the server)."""
     sampling = dict(req.sampling or {})
+    params = sampling.get("custom_params")
+    if isinstance(params, dict) and (tag is not None or TAG_PARAM in params):
+        params = {k: v for k, v in params.items() if k != TAG_PARAM}
+        sampling["custom_params"] = params
+    if tag is not None:
+        sampling["custom_params"] = {**(params or {}), TAG_PARAM: list(tag)}
     sampling["max_new_tokens"] = req.max_new_tokens
     body: dict[str, Any] = {
         "input_ids": list(req.input_ids),
@@ -414,5 +453,6 @@ __all__ = [
     "get_json",
     "probe_server",
     "retry_after_header",
+    "service_report",
     "status_outcome",
 ]

@@ -1,7 +1,14 @@
 """SGLang's requests as our policy sees them (the plugin's ledger): one mirror per live
 request, keyed by identity, and every event that charges or releases it — arrival,
 admission, tokens, finish, abort, retraction — plus the waiting mirrors kept in arrival
-order and per client (``waiting_set.py``). Used by the adapter (``adapter.py``)."""
+order and per client (``waiting_set.py``). Used by the adapter (``adapter.py``).
+
+Beside it, the server's **service ledger** (``worker/service_ledger.py``, as a standalone
+worker keeps one): a request a router replica tagged (``TAG_PARAM``: ``(replica, charge)``)
+is charged to that replica's (replica, client) row when it arrives, and its output when it
+ends, however it ends; ``service_report`` is the snapshot ``/server_info`` shows, which each
+replica's bridge reads and sends with its ``Load`` — so router replicas over SGLang servers
+share D2LPM's deficits as over standalone workers (``docs/replicas.md``)."""
 
 from __future__ import annotations
 
@@ -9,9 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
+from sgl_fair.messages import ServiceReport
 from sgl_fair.policies.base import Policy, Rejection
 from sgl_fair.request import Phase, Request
-from sgl_fair.worker.sglang.mirror import mirror_of
+from sgl_fair.worker.service_ledger import ServiceLedger
+from sgl_fair.worker.sglang.mirror import mirror_of, tag_of
 from sgl_fair.worker.sglang.waiting_set import WaitingSet
 
 Req = Any  # sglang.srt.managers.schedule_batch.Req (not imported here)
@@ -41,6 +52,7 @@ class Ledger:
         self.waiting = WaitingSet()  # the WAITING mirrors, in arrival order and per client
         self.dirty = False  # queued requests may have left (an abort): reconcile
         self.num_rejected = 0
+        self.service = ServiceLedger()  # keyed by id(Req), as the mirrors are
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -79,14 +91,19 @@ class Ledger:
         now = self.clock()
         m = mirror_of(req, now, self.low_priority_first)
         rejection = self.policy.on_arrival(m, now)
+        tag = tag_of(req)
         if rejection is not None:
             m.phase = Phase.REJECTED
             m.reject_reason = rejection.reason
             self.num_rejected += 1
+            if tag is not None:  # its replica charged it: so does its row
+                self.service.refused(tag[0], m.client, tag[1])
             return rejection
         self._by_id[id(req)] = m
         self._req_of[id(m)] = req
         self.waiting.add(m)
+        if tag is not None:
+            self.service.received(id(req), tag[0], m.client, tag[1], interaction=m.interaction_id)
         return None
 
     def admitted(self, req: Req, extend_len: int) -> None:
@@ -180,4 +197,13 @@ class Ledger:
         if m is not None:
             del self._req_of[id(m)]
             self.waiting.remove(m)
+            self.service.sent(id(req), m.num_output)  # nothing for an untagged request
         return m
+
+    def service_report(self) -> ServiceReport:
+        """The service ledger's snapshot, every request held counted (tagged or not): each
+        reader (one bridge per router replica) takes every row, so none is told only what
+        changed since another read."""
+        self.service.want_full()
+        report = self.service.report()
+        return msgspec.structs.replace(report, num_requests=len(self._by_id))

@@ -1,6 +1,7 @@
 """SGLang's ``Req`` as our policies see it: the ``Request`` mirror of one of SGLang's
 requests, as our bridge sent it (client in ``routing_key``; RT/BE class in ``priority``; an
-RT request's SLOs and a FairServe call's interaction in ``sampling_params.custom_params``).
+RT request's SLOs, a FairServe call's interaction and a router replica's dispatch tag in
+``sampling_params.custom_params``).
 Never raises on what a request carries: the plugin runs inside SGLang's scheduler."""
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from sgl_fair.request import (
     CALL_PARAM,
     DEFAULT_CLIENT,
     SLO_PARAM,
+    TAG_PARAM,
     Request,
     ServiceClass,
     apply_call_params,
     slo_pair,
+    tag_pair,
 )
 from sgl_fair.worker.sglang.settings import is_rt_priority
 
@@ -56,6 +59,13 @@ def slos_of(req: Req) -> tuple[float, float] | None:
     ``custom_params``); None when absent or not valid (``sgl_fair.request.slo_pair``)."""
     params = getattr(req.sampling_params, "custom_params", None)
     return slo_pair(params.get(SLO_PARAM)) if isinstance(params, dict) else None
+
+
+def tag_of(req: Req) -> tuple[int, int] | None:
+    """A router replica's ``(replica, charge)`` for this request, as our bridge sends it
+    (``TAG_PARAM`` in ``custom_params``); None when absent or not valid."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    return tag_pair(params.get(TAG_PARAM)) if isinstance(params, dict) else None
 
 
 def class_of(req: Req, low_priority_first: bool = False) -> ServiceClass:

@@ -1,5 +1,6 @@
 """The bridge's plumbing, apart from what it says: tokens batched per event-loop pass, a
-response read to its end off the call's path, whether a process runs, the event loop.
+response read to its end off the call's path, whether a process runs, the event loop, a
+bridge process's entry point (``bridge_main``).
 
 ``TokenBatch``: SGLang streams one event per request per decode step; sending each as its
 own message costs the bridge, libzmq's I/O threads and the router a wake-up per token.
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -82,4 +86,30 @@ def run_loop(coro: Any) -> int:
     return uvloop.run(coro)
 
 
-__all__ = ["TokenBatch", "process_alive", "read_to_end", "run_loop"]
+def bridge_main(cfg: Any) -> None:
+    """Process entry point (multiprocessing spawn target); exits non-zero when its server
+    is gone, so the router's process watch marks the worker dead."""
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format=f"%(asctime)s bridge{cfg.wid} %(levelname)s %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher shuts us down in order
+    code = 1
+
+    from sgl_fair.worker.sglang.bridge import Bridge
+
+    async def main() -> int:
+        bridge = Bridge(cfg)
+        try:
+            return await bridge.run()
+        finally:
+            bridge.close()
+
+    try:
+        code = run_loop(main())
+    finally:
+        sys.stdout.flush()
+    if code:
+        sys.exit(code)
+
+
+__all__ = ["TokenBatch", "bridge_main", "process_alive", "read_to_end", "run_loop"]
