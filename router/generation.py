@@ -264,7 +264,7 @@ class Generation:
         return P.Completion(
             rid=call.rid,
             prompt_ids=self.ids,
-            output_ids=list(self.out_ids),
+            output_ids=self.out_ids,  # not copied: a chunk is rendered at once
             text=self.text,
             e2e_s=time.time() - self.t0,
         )

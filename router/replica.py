@@ -62,7 +62,10 @@ class ReplicaRouter(Router):
         own = super().queue_len(worker)
         if not self.shared or worker not in self.workers:
             return own
-        return own + self.state.peer_requests(worker)
+        if not self.state.has_baseline(worker):  # no service report from it yet (or ever: an
+            load = self.load(worker)  # SGLang server whose ledger its bridge cannot read):
+            return own if load is None else max(own, load.num_waiting + load.num_running)
+        return own + self.state.peer_requests(worker)  # every router's, from its Load
 
     def dispatch(self, req: Request, now: float) -> Dispatch:
         match = self.tree.match(req.input_ids, touch=False) if self.shared else None

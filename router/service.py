@@ -51,6 +51,7 @@ from sgl_fair.messages import (
 from sgl_fair.request import Request
 from sgl_fair.router.kv_replay import replay
 from sgl_fair.router.liveness import NoWorkerError, WorkerLiveness, WorkerState
+from sgl_fair.router.notify import Notify
 from sgl_fair.router.oit import refusal
 from sgl_fair.router.protocol.scheduling import throttle_of
 from sgl_fair.router.router import Router
@@ -76,8 +77,8 @@ class Call:
     error: str | None = None  # set when the call failed without a worker's answer
     error_status: int = 500
     aborted: str | None = None  # why we asked the worker to abort it
-    updated: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    updated: Notify = field(default_factory=Notify)  # an asyncio.Event, cheaper per token
+    done: Notify = field(default_factory=Notify)
 
     @property
     def rid(self) -> str:

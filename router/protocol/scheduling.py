@@ -99,7 +99,10 @@ class Scheduling:
 
     @property
     def priority_class(self) -> str:
-        return self.service_class.value
+        return _CLASS_NAME[self.service_class]  # (an Enum's .value is slow: every event reads it)
+
+
+_CLASS_NAME = {c: c.value for c in ServiceClass}
 
 
 def _class(v: Any, path: str) -> str:

@@ -37,8 +37,13 @@ def test_a_replica_takes_the_queue_other_routers_made_from_the_load(from_loads, 
         (["--worker-endpoint", "tcp://127.0.0.1:5000", "--tenant-limits-split", "2"], False),
         (["--worker-endpoint", "tcp://127.0.0.1:5000", "--tenant-limits-split", "2",
           "--replica-state", "independent"], True),
+        # over SGLang servers, shared reports too: the plugin's ledger (a ReplicaRouter,
+        # which takes the Load's counts only until a server's first report)
         (["--backend", "sglang", "--worker-url", "http://127.0.0.1:1",
-          "--worker-kv-endpoint", "tcp://127.0.0.1:2", "--tenant-limits-split", "2"], True),
+          "--worker-kv-endpoint", "tcp://127.0.0.1:2", "--tenant-limits-split", "2"], False),
+        (["--backend", "sglang", "--worker-url", "http://127.0.0.1:1",
+          "--worker-kv-endpoint", "tcp://127.0.0.1:2", "--tenant-limits-split", "2",
+          "--replica-state", "independent"], True),
     ],
 )  # fmt: skip
 def test_the_launcher_turns_it_on_for_replicas_without_shared_reports(argv, on):
@@ -46,3 +51,18 @@ def test_the_launcher_turns_it_on_for_replicas_without_shared_reports(argv, on):
 
     router = build_router(parse_config(argv), follow_kv_events=True)
     assert router.queues_from_loads is on
+
+
+def test_a_replica_takes_the_loads_counts_until_a_workers_first_report():
+    """A worker whose service report never comes (an SGLang server whose plugin ledger its
+    bridge cannot read) still shows every router's requests in its queue, from its Load."""
+    from sgl_fair.messages import ServiceReport
+    from sgl_fair.router.replica import ReplicaRouter
+
+    r = ReplicaRouter(make_router_policy("least-load"), 2, replica=3)
+    r.handle(Load(0, 0.1, 6, 2, 0, 0, 1000), 0.1)  # 8 there, none of them ours
+    assert r.queue_len(0) == 8
+    report = ServiceReport(boot=5, rows=((4, "c", 10, 0, 1),), requests=((4, 1),),
+                           num_requests=1)  # fmt: skip
+    r.handle(Load(0, 0.2, 0, 1, 0, 0, 1000, service=report), 0.2)
+    assert r.queue_len(0) == 1  # from its report: the other replica's one request

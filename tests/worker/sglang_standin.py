@@ -50,12 +50,14 @@ class StandInSGLang:
         info: dict[str, Any] | None = None,
         token_interval_s: float = 0.01,
         tail_delay_s: float = 0.0,
+        record: bool = True,
     ) -> None:
         self.api_key = api_key
         self.incremental = incremental
         self.info = dict(info or {})
         self.token_interval_s = token_interval_s
         self.tail_delay_s = tail_delay_s  # between "[DONE]" and the stream's end
+        self.record = record  # keep every call (False: a bench's long run)
         self.generate_ports: list[int] = []  # the client port of each /generate
         self.seen: list[tuple[str, str, str | None, Any]] = []
         self.running: set[str] = set()
@@ -110,8 +112,9 @@ class StandInSGLang:
         except ValueError:
             obj = body
         authz = request.headers.get("Authorization")
-        self._conns.add(request.transport)
-        self.seen.append((request.method, request.path, authz, obj))
+        if self.record:
+            self._conns.add(request.transport)
+            self.seen.append((request.method, request.path, authz, obj))
         free = request.path.startswith(("/health", "/metrics"))
         if self.api_key and not free and authz != f"Bearer {self.api_key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
@@ -141,13 +144,19 @@ class StandInSGLang:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.generate_ports.append(request.transport.get_extra_info("peername")[1])
-        rid = body["rid"]
+        if self.record:
+            self.generate_ports.append(request.transport.get_extra_info("peername")[1])
+        rid = body.get("rid") or f"standin-{id(request)}"  # SGLang's gateway sends none
         n = int(body["sampling_params"]["max_new_tokens"])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.running.add(rid)
         ids: list[int] = []
+        with contextlib.suppress(ConnectionResetError):  # the client hung up: the stream ends
+            await self._stream(resp, rid, n, ids)
+        return resp
+
+    async def _stream(self, resp: web.StreamResponse, rid: str, n: int, ids: list[int]) -> None:
         try:
             for i in range(n):
                 if rid in self._abort:
@@ -165,11 +174,11 @@ class StandInSGLang:
         finally:
             self.running.discard(rid)
             self._abort.discard(rid)
-        return resp
 
     async def _chunk(self, resp: web.StreamResponse, ids: list[int], new: list[int], finish):
         out = new if self.incremental else list(ids)
-        meta = {"id": "x", "finish_reason": finish, "cached_tokens": 0}
+        meta = {"id": "x", "finish_reason": finish, "cached_tokens": 0,
+                "completion_tokens": len(ids)}  # fmt: skip
         chunk = {"text": "", "output_ids": out, "meta_info": meta}
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 

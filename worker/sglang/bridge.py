@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from sgl_fair.messages import (
     Abort,
@@ -58,7 +59,6 @@ from .bridge_link import ZmqLink
 from .http_api import (
     Outcome,
     ServerInfo,
-    SSEParser,
     StreamState,
     auth_headers,
     error_message,
@@ -70,9 +70,11 @@ from .http_api import (
     service_report,
     status_outcome,
 )
-from .relay import TokenBatch, process_alive, read_to_end
+from .relay import TokenBatch, process_alive
+from .sse_client import Pool
 
 log = logging.getLogger("sgl_fair.bridge")
+_json = msgspec.json.Encoder()
 
 EXIT_SERVER_GONE = 3
 EXIT_NOT_FAIR = 4  # the server does not run our plugin with the expected policy
@@ -147,7 +149,8 @@ class Bridge:
         self.exit_code = 0
         # a bridge process watches its launcher; one inside the router has none to watch
         self.parent = None if self.link.in_process else os.getppid()
-        self.http: aiohttp.ClientSession | None = None
+        self.http: aiohttp.ClientSession | None = None  # every call but the streams
+        self.generate: Pool | None = None  # the streams' connections
         self.tasks: list[asyncio.Task] = []  # the bridge's own loops (not the requests)
         self.side_tasks: set[asyncio.Task] = set()  # aborts and flushes in flight
         # The server stopped answering (a call's connection failed, then /health did): calls
@@ -188,6 +191,7 @@ class Bridge:
         connector = aiohttp.TCPConnector(limit=0)  # one connection per stream, no cap
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         headers = auth_headers(self.cfg.api_key)  # on every call: health, info, generate …
+        self.generate = Pool(self.url, headers)  # the streams (sse_client.py)
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, headers=headers
         ) as http:
@@ -401,30 +405,24 @@ class Bridge:
             low_priority_first=self.info.low_priority_first,  # the server's own direction
             tag=job.tag,
         )
-        resp: aiohttp.ClientResponse | None = await self.http.post(
-            self.url + "/generate", json=body
-        )
+        stream, rid, tokens = job.stream, req.rid, self.tokens
+
+        def on_event(payload: bytes) -> None:  # in the loop's read callback: no task woken
+            new = stream.feed_bytes(payload)
+            if new:
+                tokens(rid, tuple(new))
+
+        call = await self.generate.post(_json.encode(body), on_event)
+        result = call.result
         try:
-            if resp.status != 200:
-                body = await resp.text(errors="replace")
-                retry = retry_after_header(resp.headers.get("Retry-After"))
-                return status_outcome(resp.status, error_message(body, resp.status), retry)
-            parser = SSEParser()
-            async for data in resp.content.iter_any():
-                for payload in parser.feed(data):
-                    if payload == b"[DONE]":
-                        # The stream's end often comes in a later packet, and a connection
-                        # let go before it is closed, not pooled: read it off the call's path.
-                        self._side(read_to_end(resp))
-                        resp = None
-                        return job.stream.outcome(job.abort_reason)
-                    new = job.stream.feed_bytes(payload)
-                    if new:
-                        self.tokens(req.rid, tuple(new))
-            return job.stream.outcome(job.abort_reason)
+            status = await result
         finally:
-            if resp is not None:
-                resp.release()
+            call.hang_up(result)  # unless it ended well: the connection goes (SGLang aborts)
+        if status != 200:
+            text = call.body.decode(errors="replace")
+            retry = retry_after_header(call.headers.get("retry-after"))
+            return status_outcome(status, error_message(text, status), retry)
+        return stream.outcome(job.abort_reason)
 
     def _finished(self, job: Job, outcome: Outcome, *, lost: bool = False) -> Finished:
         req, stream = job.req, job.stream
@@ -476,6 +474,8 @@ class Bridge:
         self.send(Flushed(self.cfg.wid, token, ok))
 
     def close(self) -> None:
+        if self.generate is not None:
+            self.generate.close()
         self.link.close()
 
 

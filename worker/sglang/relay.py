@@ -1,6 +1,6 @@
-"""The bridge's plumbing, apart from what it says: tokens batched per event-loop pass, a
-response read to its end off the call's path, whether a process runs, the event loop, a
-bridge process's entry point (``bridge_main``).
+"""The bridge's plumbing, apart from what it says: tokens batched per event-loop pass, whether
+a process runs, the event loop, a bridge process's entry point (``bridge_main``); its streams
+are read by ``sse_client.py``.
 
 ``TokenBatch``: SGLang streams one event per request per decode step; sending each as its
 own message costs the bridge, libzmq's I/O threads and the router a wake-up per token.
@@ -11,7 +11,6 @@ the end of that pass (``call_soon``), or before anything the bridge sends meanwh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -19,8 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
-
-import aiohttp
 
 from sgl_fair.messages import Tokens
 
@@ -66,16 +63,6 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-async def read_to_end(resp: aiohttp.ClientResponse, timeout_s: float = 1.0) -> None:
-    """Read what is left of ``resp`` (``timeout_s`` at most), then let its connection go:
-    back to the pool when the response ended, closed when it did not."""
-    try:
-        with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
-            await asyncio.wait_for(resp.content.read(), timeout_s)
-    finally:
-        resp.release()
-
-
 def run_loop(coro: Any) -> int:
     """``coro`` on uvloop where it is installed (as the router runs; a cheaper loop pass per
     stream chunk than asyncio's own), else on asyncio's loop."""
@@ -112,4 +99,4 @@ def bridge_main(cfg: Any) -> None:
         sys.exit(code)
 
 
-__all__ = ["TokenBatch", "bridge_main", "process_alive", "read_to_end", "run_loop"]
+__all__ = ["TokenBatch", "bridge_main", "process_alive", "run_loop"]
