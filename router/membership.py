@@ -39,9 +39,10 @@ log = logging.getLogger("sgl_fair.router")
 class MembershipError(ValueError):
     """A membership change that cannot be made; ``status`` is its HTTP status."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, field: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.field = field  # the request body's field it names, if one
 
 
 @dataclass
@@ -95,12 +96,13 @@ class Membership:
         """Link the worker at ``endpoint`` (``tcp://HOST:PORT``); returns its id."""
         if self.server_link is not None:
             raise MembershipError(
-                "endpoint: this router's workers are SGLang servers; give url (and kv_endpoint)"
+                "endpoint: this router's workers are SGLang servers; give url (and kv_endpoint)",
+                field="endpoint",
             )
         try:
             parse_tcp(endpoint, "endpoint")
         except ValueError as e:
-            raise MembershipError(str(e)) from None
+            raise MembershipError(str(e), field="endpoint") from None
         self._unique("endpoint", endpoint)
         wid = self._next_id()
         link = RemoteLink(self.service, wid, endpoint, name=self.name, keys=self.keys)
@@ -117,7 +119,8 @@ class Membership:
         returns its id once the server is checked (it runs our plugin with our policy)."""
         if self.server_link is None:
             raise MembershipError(
-                "url: this router's workers are standalone workers; give endpoint (tcp://…)"
+                "url: this router's workers are standalone workers; give endpoint (tcp://…)",
+                field="url",
             )
         url = url.rstrip("/")
         self._unique("url", url)
@@ -136,7 +139,9 @@ class Membership:
         taken = {m.endpoint: m.wid for m in self.members.values()}
         taken |= {url: wid for wid, url in self._reserved.items()}
         if where in taken:
-            raise MembershipError(f"{field}: {where} is worker {taken[where]} already", 409)
+            raise MembershipError(
+                f"{field}: {where} is worker {taken[where]} already", 409, field=field
+            )
 
     def _next_id(self) -> int:
         return max([*self.service.workers, *self.members, *self._reserved, -1]) + 1

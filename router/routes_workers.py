@@ -85,9 +85,8 @@ async def add_worker(state: Any, membership: Membership, request: HTTPRequest) -
 
 
 def _field_of(e: MembershipError) -> str:
-    """The body field an error names first (``"url: …"``), else ``endpoint``."""
-    head = str(e).split(":", 1)[0]
-    return head if head in AddWorker.__struct_fields__ else "endpoint"
+    """The body field an error names (``MembershipError.field``), else ``endpoint``."""
+    return e.field or "endpoint"
 
 
 async def remove_worker(state: Any, membership: Membership, request: HTTPRequest) -> Response:

@@ -200,10 +200,10 @@ class TorchBackend(Backend):
         )
 
 
-_URL = re.compile(r"https?://[^/\s]+(/\S*)?")
+HTTP_URL = re.compile(r"https?://[^/\s]+(/\S*)?")
 
 
-def _public_ip(endpoint: str) -> bool:
+def public_ip(endpoint: str) -> bool:
     """Whether a ``tcp://HOST:PORT`` endpoint is public: an IP address that is, or a host
     name whose every address is (resolved now; a name that does not resolve is taken, as one
     the launcher's machine cannot judge, e.g. a name only the pods' network knows)."""
@@ -285,7 +285,7 @@ class SGLangBackend(Backend):
         if a.dp is not None and a.dp != len(urls):
             bad(f"--dp {a.dp} does not match the {len(urls)} --worker-url given (one per worker)")
         for url in urls:
-            if not _URL.fullmatch(url):
+            if not HTTP_URL.fullmatch(url):
                 bad(f"--worker-url {url!r} is not an http:// or https:// URL")
         if kv and len(kv) != len(urls):
             bad(
@@ -295,7 +295,7 @@ class SGLangBackend(Backend):
         for ep in kv:
             if not ep.startswith(("tcp://", "ipc://")):
                 bad(f"--worker-kv-endpoint {ep!r} is not a zmq tcp:// or ipc:// endpoint")
-            if _public_ip(ep):
+            if public_ip(ep):
                 bad(
                     f"--worker-kv-endpoint {ep}: a public address, and SGLang's KV events are "
                     "plaintext zmq anyone there can publish to or read; publish them on "

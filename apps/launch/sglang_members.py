@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from sgl_fair.launch.backends import _URL, _public_ip
+from sgl_fair.launch.backends import HTTP_URL, public_ip
 from sgl_fair.launch.config import LaunchConfig, local_policy_opts
 from sgl_fair.router.liveness import WorkerState
 from sgl_fair.router.membership import MembershipError, ServerLinkFactory
@@ -34,11 +34,14 @@ def _check_endpoint(field: str, endpoint: str | None) -> None:
     if endpoint is None:
         return
     if not endpoint.startswith(("tcp://", "ipc://")):
-        raise MembershipError(f"{field}: {endpoint!r} is not a zmq tcp:// or ipc:// endpoint")
-    if _public_ip(endpoint):
+        raise MembershipError(
+            f"{field}: {endpoint!r} is not a zmq tcp:// or ipc:// endpoint", field=field
+        )
+    if public_ip(endpoint):
         raise MembershipError(
             f"{field}: {endpoint} is a public address, and SGLang's KV events are plaintext "
-            "zmq anyone there can publish to or read (docs/operators.md)"
+            "zmq anyone there can publish to or read (docs/operators.md)",
+            field=field,
         )
 
 
@@ -52,7 +55,7 @@ async def check_server(cfg: LaunchConfig, tenants: Any, url: str) -> None:
         info = await probe_server(http, url, cfg.health_check_timeout_s)
     refusal, warning = plugin_check(info, cfg.schedule_policy, local_policy_opts(cfg, tenants))
     if refusal is not None:
-        raise MembershipError(f"url: the SGLang server at {url} {refusal}")
+        raise MembershipError(f"url: the SGLang server at {url} {refusal}", field="url")
     if warning is not None:
         log.warning("SGLang server %s: %s", url, warning)
 
@@ -126,10 +129,12 @@ def server_links(state: Any, cfg: LaunchConfig, tenants: Any) -> ServerLinkFacto
     async def link(
         wid: int, url: str, kv_endpoint: str | None, kv_replay_endpoint: str | None
     ) -> ServerLink:
-        if not _URL.fullmatch(url):
-            raise MembershipError(f"url: {url!r} is not an http:// or https:// URL")
+        if not HTTP_URL.fullmatch(url):
+            raise MembershipError(f"url: {url!r} is not an http:// or https:// URL", field="url")
         if kv_replay_endpoint is not None and kv_endpoint is None:
-            raise MembershipError("kv_replay_endpoint: only with kv_endpoint")
+            raise MembershipError(
+                "kv_replay_endpoint: only with kv_endpoint", field="kv_replay_endpoint"
+            )
         _check_endpoint("kv_endpoint", kv_endpoint)
         _check_endpoint("kv_replay_endpoint", kv_replay_endpoint)
         await check_server(cfg, tenants, url.rstrip("/"))
