@@ -108,6 +108,9 @@ FIGURES: list[Figure] = [
     *(fig for key, files, setting in (("sbs", _SBS, "2 running/server, flood 24"),
                                        ("sbs4", _SBS4, "4 running/server, flood 16"))
       for fig in _side_by_side(key, files, setting)),
+    Figure("relay-standin", "Relay over stand-in SGLang servers (bench_relay.py): CPU per "
+           "streamed token, ours ÷ gateway", "relay-2*.json", "ratios.ours.relay_cpu_per_token",
+           unit="×", target=("<=", 2.0)),
     Figure("kv-gc", "KV decoder: full gc.collect() with 1M cached tokens", _KV,
            "gc_collect_ms", fmt="{:.1f}", unit=" ms", target=("<=", 20.0)),
     Figure("kv-bytes", "KV decoder: memory per cached token", _KV,
@@ -233,6 +236,7 @@ STORED: dict[str, dict[str, str]] = {
     "side-by-side-r4f16-2026-11-29b.json": {"commit": "836a082", "machine": EPYC},
     "side-by-side-2026-11-29c.json": {"commit": "2ab9411", "machine": EPYC},
     "side-by-side-r4f16-2026-11-29c.json": {"commit": "2ab9411", "machine": EPYC},
+    "kv-decoder-2026-11-29-after.json": {"commit": "eae2e42", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [
