@@ -10,8 +10,9 @@ tenant's shared prefix plus a few tokens of its own (prefix-heavy); streaming ``
 with ``input_ids``. Tenants are named by ``Authorization: Bearer sk-<tenant>`` (our tenants
 file's keys; SGLang's servers ignore it, its gateway passes it on).
 
-Reported per stack: tokens served (by calls finished within T), each tenant's TTFT P50/P99
-and served tokens, offered vs served calls, the CPU-seconds over the load window of each
+Reported per stack: tokens served (by calls finished within T), each tenant's TTFT P50/P99,
+its three slowest first tokens (when, and the stack's own end-to-end time for them) and
+served tokens, offered vs served calls, the CPU-seconds over the load window of each
 process group (SGLang servers with their scheduler/detokenizer children; the gateway; our
 router; our bridges) read with psutil, tokens per server-CPU-second, and the relay's CPU
 (gateway, or router + bridges) per streamed token, also less its fixed cost (each group's
@@ -77,7 +78,8 @@ async def drive(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any
     import aiohttp
 
     make = prompts(vocab, args.prefix_len, args.own_len)["make"]
-    stats = {t: {"offered": 0, "served": 0, "failed": 0, "tokens": 0, "ttft": []} for t in TENANTS}
+    stats = {t: {"offered": 0, "served": 0, "failed": 0, "tokens": 0, "ttft": [], "calls": []}
+             for t in TENANTS}  # fmt: skip
     deadline = time.monotonic() + args.duration
     timeout = aiohttp.ClientTimeout(total=args.duration + 120)
     connector = aiohttp.TCPConnector(limit=0)
@@ -121,6 +123,7 @@ async def drive(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any
             st["served"] += 1
             st["tokens"] += int(meta.get("completion_tokens", 0))
             st["ttft"].append(first)
+            st["calls"].append((first, t0, meta))
 
         async def keep(tenant: str, slot: int, n: int) -> None:
             i = slot
@@ -135,7 +138,15 @@ async def drive(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     out = {}
+    start = deadline - args.duration
     for t, st in stats.items():
+        # the three slowest first tokens, with when they were asked (s into the run) and what
+        # the stack said of them (its cached tokens, its own end-to-end time: a TTFT above
+        # that was spent outside the stack's call, in the client or the kernel)
+        worst = sorted(st.pop("calls"), key=lambda c: -c[0])[:3]
+        st["slowest"] = [{"ttft_s": round(f, 4), "at_s": round(t0 - start, 2),
+                          **{k: m.get(k) for k in ("cached_tokens", "e2e_latency")}}
+                         for f, t0, m in worst]  # fmt: skip
         ttft = np.array(st.pop("ttft") or [np.nan])
         out[t] = {**st, "ttft_p50_s": float(np.nanpercentile(ttft, 50)),
                   "ttft_p99_s": float(np.nanpercentile(ttft, 99))}  # fmt: skip
