@@ -20,6 +20,7 @@ import bench_policy_step  # noqa: E402
 import bench_relay  # noqa: E402
 import bench_replica_ledger  # noqa: E402
 import bench_router  # noqa: E402
+import bench_service_read  # noqa: E402
 import bench_sglang_adapter  # noqa: E402
 import bench_sglang_live  # noqa: E402
 import bench_sglang_side_by_side  # noqa: E402
@@ -65,6 +66,7 @@ def main() -> None:
         "sglang_live_churn": bench_sglang_live.main(["--churn", "--requests", "2000"]),
         "sglang_side_by_side": bench_sglang_side_by_side.main(["--duration", "10"]),
         "relay": bench_relay.main(["--duration", "10"]),
+        "service_read": bench_service_read.main(["--reads", "20", "--rows", "200"]),
     }
     out = Path("runs") / "bench.json"
     out.parent.mkdir(exist_ok=True)
