@@ -4,6 +4,9 @@ Shapes are SGLang's at page size 1: one ``BlockStored`` per radix node, one hash
 parent = the last hash of the parent node. For each prefix depth D a chain of D tokens is
 stored (nodes of 32 tokens), then a 32-token node is stored and removed again, repeatedly,
 (a) below the chain's last hash and (b) below a mid-chain hash (what follows a node split).
+Two ways, each timed per event: ``apply`` (the decoder alone, each op with its whole path:
+what a consumer got before ``follow``) and ``follow`` (the decoder and the tree it feeds,
+``OwnerFollower`` into a ``RadixTree``: what the router and the plugin's shadow run now).
 Memory: tracemalloc over 1M cached tokens (1,000 prompts of 1,000 tokens, nodes of 32);
 GC: a full ``gc.collect()`` with those 1M tokens held.
 
@@ -17,11 +20,14 @@ import gc
 import itertools
 import json
 import statistics
+import sys
 import time
 import tracemalloc
 
 from sgl_fair.kv_decoder import KVEventDecoder
 from sgl_fair.kv_events import BlockRemoved, BlockStored
+from sgl_fair.kv_follow import OwnerFollower
+from sgl_fair.radix import RadixTree
 
 NODE = 32
 
@@ -34,7 +40,21 @@ class _Ids:
         return [next(self._next) * 0x9E3779B1 for _ in range(n)]
 
 
-def _chain(dec: KVEventDecoder, ids: _Ids, depth: int, first_token: int) -> list[int]:
+class _Feed:
+    """``dec.apply(events)`` or, with a tree, ``dec.follow(events, OwnerFollower(tree))``."""
+
+    def __init__(self, follow: bool) -> None:
+        self.dec = KVEventDecoder()
+        self.follower = OwnerFollower(RadixTree(), 0) if follow else None
+
+    def __call__(self, events: list) -> None:
+        if self.follower is None:
+            self.dec.apply(events)
+        else:
+            self.dec.follow(events, self.follower)
+
+
+def _chain(dec: _Feed, ids: _Ids, depth: int, first_token: int) -> list[int]:
     """Store a chain of ``depth`` tokens in nodes of NODE; returns its hashes."""
     hashes: list[int] = []
     parent = None
@@ -44,14 +64,14 @@ def _chain(dec: KVEventDecoder, ids: _Ids, depth: int, first_token: int) -> list
         hs = ids.take(n)
         toks = [(tok + i) % 150_000 for i in range(n)]
         tok += n
-        dec.apply([BlockStored(hs, parent, toks, 1, None)])
+        dec([BlockStored(hs, parent, toks, 1, None)])
         parent = hs[-1]
         hashes.extend(hs)
     return hashes
 
 
-def per_event(depth: int, reps: int) -> dict:
-    dec = KVEventDecoder()
+def per_event(depth: int, reps: int, follow: bool = False) -> dict:
+    dec = _Feed(follow)
     ids = _Ids()
     chain = _chain(dec, ids, depth, 7)
     out = {}
@@ -62,9 +82,9 @@ def per_event(depth: int, reps: int) -> dict:
             toks = [(200_000 + r * NODE + i) % 150_000 for i in range(NODE)]
             ev = BlockStored(hs, parent, toks, 1, None)
             t0 = time.perf_counter()
-            dec.apply([ev])
+            dec([ev])
             t1 = time.perf_counter()
-            dec.apply([BlockRemoved(hs)])
+            dec([BlockRemoved(hs)])
             t2 = time.perf_counter()
             st.append(t1 - t0)
             rm.append(t2 - t1)
@@ -73,7 +93,7 @@ def per_event(depth: int, reps: int) -> dict:
     return out
 
 
-def _fill(dec: KVEventDecoder, tokens: int) -> None:
+def _fill(dec: _Feed, tokens: int) -> None:
     ids = _Ids()
     per = 1000
     for p in range(tokens // per):
@@ -84,7 +104,7 @@ def memory(tokens: int) -> float:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    dec = KVEventDecoder()
+    dec = _Feed(False)
     _fill(dec, tokens)
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
@@ -93,8 +113,20 @@ def memory(tokens: int) -> float:
     return used / tokens
 
 
+def marks_memory(tokens: int) -> float:
+    """Bytes per cached token of what ``follow`` adds to the decoder: each run's marks (the
+    pages that ended a store) and the handles kept for them (the tree's own nodes aside)."""
+    dec = _Feed(True)
+    _fill(dec, tokens)
+    used = 0
+    for seg in dec.dec._segs.values():
+        if seg.marks is not None:
+            used += sys.getsizeof(seg.marks) + sys.getsizeof(seg.handles)
+    return used / tokens
+
+
 def gc_pause(tokens: int) -> float:
-    dec = KVEventDecoder()
+    dec = _Feed(False)
     _fill(dec, tokens)
     gc.collect()
     times = []
@@ -114,26 +146,36 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     reps = 50 if args.quick else 200
     tokens = 200_000 if args.quick else 1_000_000
-    rows = {d: per_event(d, reps) for d in (1_000, 4_000, 16_000, 32_000)}
+    depths = (1_000, 4_000, 16_000, 32_000)
+    rows = {d: per_event(d, reps) for d in depths}
+    follow = {d: per_event(d, reps, follow=True) for d in depths}
     res = {
         "per_event": rows,
         "store_leaf_ratio_32k_1k": rows[32_000]["store_leaf_us"] / rows[1_000]["store_leaf_us"],
         "store_mid_ratio_32k_1k": rows[32_000]["store_mid_us"] / rows[1_000]["store_mid_us"],
+        "follow_per_event": follow,
+        "follow_ratio_32k_1k": {k: follow[32_000][k] / follow[1_000][k] for k in follow[1_000]},
         "tokens": tokens,
         "bytes_per_token": memory(tokens),
+        "follow_marks_bytes_per_token": marks_memory(tokens),
         "gc_collect_ms": gc_pause(tokens),
     }
     if args.json:
         print(json.dumps(res, indent=1))
     else:
-        print("depth   store-leaf µs  store-mid µs  remove-leaf µs  remove-mid µs")
-        for d, r in rows.items():
-            print(
-                f"{d:>6}  {r['store_leaf_us']:>12.1f}  {r['store_mid_us']:>12.1f}"
-                f"  {r['remove_leaf_us']:>14.1f}  {r['remove_mid_us']:>13.1f}"
-            )
-        print(f"store 32k/1k ratio: leaf {res['store_leaf_ratio_32k_1k']:.2f}"
-              f"  mid {res['store_mid_ratio_32k_1k']:.2f}  (target ≤ 1.5)")  # fmt: skip
+        for title, table in (("apply (decoder, whole paths)", rows), ("follow (+ tree)", follow)):
+            print(f"{title}\ndepth   store-leaf µs  store-mid µs  remove-leaf µs  remove-mid µs")
+            for d, r in table.items():
+                print(
+                    f"{d:>6}  {r['store_leaf_us']:>12.1f}  {r['store_mid_us']:>12.1f}"
+                    f"  {r['remove_leaf_us']:>14.1f}  {r['remove_mid_us']:>13.1f}"
+                )
+        print(f"apply, store 32k/1k: leaf {res['store_leaf_ratio_32k_1k']:.2f}"
+              f"  mid {res['store_mid_ratio_32k_1k']:.2f}")  # fmt: skip
+        print("follow, 32k/1k: " + "  ".join(
+            f"{k.removesuffix('_us')} {v:.2f}" for k, v in res["follow_ratio_32k_1k"].items()
+        ) + "  (target ≤ 1.5)")  # fmt: skip
+        print(f"follow's marks: {res['follow_marks_bytes_per_token']:.2f} B/token")
         print(f"bytes/token at {tokens:,} tokens: {res['bytes_per_token']:.1f}  (target ≤ 32)")
         print(f"full gc.collect(): {res['gc_collect_ms']:.1f} ms  (target ≤ 20)")
     return res

@@ -6,6 +6,7 @@ The simulator and the live server drive the same object; time is passed in::
     router.dispatch(req, now) -> Dispatch    match → policy.select → record → policy hook
     router.handle(msg, now)                  Tokens / Finished / Evicted / Load, as they come
     router.apply_kv_ops(u, ops, t_s)         SGLang-format KV events, decoded (kv_events.py)
+    router.follow_kv(u, decoder, batch, t_s) the same, op by op by handle (O(new tokens))
     router.remove_worker(u) -> [rid, ...]    a worker died: its in-flight requests, to retry
     router.add_worker(u)                     a worker (re)joined
 
@@ -26,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sgl_fair.kv_decoder import Cleared, Removed, Stored, TreeOp
+from sgl_fair.kv_decoder import Cleared, KVEventDecoder, Removed, Stored, TreeOp
+from sgl_fair.kv_events import EventBatch
+from sgl_fair.kv_follow import OwnerFollower
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
 from sgl_fair.policies.base import Rejection
 from sgl_fair.request import ClientId, Request
@@ -90,6 +93,7 @@ class Router:
         self._loads: dict[int, Load] = {}
         self._load_seen: dict[int, float] = {}  # when (router clock) the latest Load came
         self._evicted_s: dict[int, float] = {}  # latest Evicted.t_s per worker
+        self._followers: dict[int, _WorkerFollower] = {}  # follow_kv's, per worker
         self._draining: set[int] = set()  # alive, finishing their requests, chosen for none
 
     # ---- RouterView ------------------------------------------------------------------------
@@ -235,6 +239,30 @@ class Router:
         if stored:
             self._bound_tree()
 
+    def follow_kv(
+        self, worker: int, decoder: KVEventDecoder, batch: EventBatch, t_s: float
+    ) -> None:
+        """``apply_kv_ops(worker, decoder.apply(batch), t_s)``, each op applied as the
+        decoder reads it, by the tree node of an earlier op through the same point
+        (``sgl_fair.kv_follow``): O(the event's tokens), not O(its prefix depth)."""
+        follower = self._followers.get(worker)
+        if follower is None or follower.tree is not self.tree.tree:
+            follower = self._followers[worker] = _WorkerFollower(self, worker)
+            decoder.drop_handles()  # a new follower: no node the decoder holds is its own
+        if worker not in self._queue_len:
+            ignore = _Ignore()
+            decoder.follow(batch, ignore)
+            if ignore.num_ops:
+                self._stats(worker).num_stale += 1
+            return
+        follower.t_s = t_s
+        before = follower.num_ops
+        decoder.follow(batch, follower)
+        self._stats(worker).num_kv_events += follower.num_ops - before
+        if follower.any_stored:
+            follower.any_stored = False
+            self._bound_tree()
+
     def _mark_evicted(self, worker: int, t_s: float) -> None:
         if t_s > self._evicted_s.get(worker, float("-inf")):
             self._evicted_s[worker] = t_s
@@ -318,3 +346,48 @@ class Router:
         assert counts == self._queue_len, f"queue_len {self._queue_len} != in flight {counts}"
         if self.max_tree_tokens is not None:
             assert self.tree.total_tokens <= self.max_tree_tokens, "tree above max_tree_tokens"
+
+
+class _WorkerFollower(OwnerFollower):
+    """One worker's KV events into the router's tree, with the router's counts."""
+
+    def __init__(self, router: Router, worker: int) -> None:
+        super().__init__(router.tree.tree, worker)
+        self._router = router
+        self._worker = worker
+        self.t_s = 0.0
+        self.any_stored = False
+
+    def stored(self, base, up, tokens, path):  # type: ignore[no-untyped-def,override]
+        self.any_stored = True
+        return super().stored(base, up, tokens, path)
+
+    def removed(self, base, up, path) -> None:  # type: ignore[no-untyped-def]
+        self._router._mark_evicted(self._worker, self.t_s)
+        stats = self._router._stats(self._worker)
+        before = self.removed_tokens
+        super().removed(base, up, path)
+        stats.num_evicted_blocks += 1
+        stats.num_evicted_tokens += self.removed_tokens - before
+
+    def cleared(self) -> None:
+        self._router._mark_evicted(self._worker, self.t_s)
+        before = self.removed_tokens
+        super().cleared()
+        self._router._stats(self._worker).num_evicted_tokens += self.removed_tokens - before
+
+
+class _Ignore:
+    """A dead worker's events: the decoder follows them (its pages stay right), nothing else."""
+
+    def __init__(self) -> None:
+        self.num_ops = 0
+
+    def stored(self, base, up, tokens, path) -> None:  # type: ignore[no-untyped-def]
+        self.num_ops += 1
+
+    def removed(self, base, up, path) -> None:  # type: ignore[no-untyped-def]
+        self.num_ops += 1
+
+    def cleared(self) -> None:
+        self.num_ops += 1

@@ -6,7 +6,7 @@ Runs on the HTTP server's asyncio loop (one process: HTTP front + router)::
          ▲                                                          │
          └─ Call.updated / Call.done ◀── Tokens, Finished, Load ◀───┘     (zmq PULL)
                                         KV events (SGLang format) ◀─────── (zmq SUB per worker)
-                                                 └─▶ KVEventDecoder ─▶ Router.apply_kv_ops
+                                                 └─▶ KVEventDecoder ─▶ Router.follow_kv
 
 Worker failure: a worker whose process exits, whose socket is gone (a send finds no peer)
 or that stays silent for ``heartbeat_timeout_s`` is removed from the router at once (never
@@ -493,7 +493,6 @@ class RouterService(WorkerLiveness):
 
     def _apply_kv(self, w: WorkerState, batch: kv_events.KVEventBatch) -> None:
         try:
-            ops = w.decoder.apply(batch)
-            self.router.apply_kv_ops(w.wid, ops, self.clock())
+            self.router.follow_kv(w.wid, w.decoder, batch, self.clock())
         except Exception:
             log.exception("worker %d: error applying KV events", w.wid)

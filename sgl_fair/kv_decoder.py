@@ -11,8 +11,10 @@ This module is pure (msgspec + numpy + stdlib).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from itertools import chain
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -56,7 +58,10 @@ class _Seg:
     root). ``children``: page offset → segments hanging below that page (besides the next
     page of this run)."""
 
-    __slots__ = ("id", "parent", "poff", "size", "n", "tokens", "hashes", "children", "alive")
+    __slots__ = (
+        "id", "parent", "poff", "size", "n", "tokens", "hashes", "children", "alive", "marks",
+        "handles",
+    )  # fmt: skip
 
     def __init__(self, sid: int, parent: _Seg | None, poff: int, size: int) -> None:
         self.id = sid
@@ -68,12 +73,58 @@ class _Seg:
         self.hashes = array("q")
         self.children: dict[int, list[_Seg]] | None = None
         self.alive = True
+        # Pages that ended an op a follower took (ascending) and the handle it gave for each:
+        # None until the first.
+        self.marks: array | None = None
+        self.handles: list[object] | None = None
 
     def page(self, i: int) -> Tokens:
         return tuple(self.tokens[i * self.size : (i + 1) * self.size])
 
 
 Pos = tuple["_Seg | None", int]  # a page: (segment, offset); (None, -1) is the root
+
+
+class TreeFollower(Protocol):
+    """What ``KVEventDecoder.follow`` tells a tree that mirrors one worker's cache.
+
+    ``base`` is the handle this follower returned for an earlier ``stored`` whose path runs
+    through the op's point and ends ``up`` tokens below it (None: none known); ``path()``
+    gives the op's whole token path instead, in O(depth), for when ``base`` cannot serve
+    (the follower's tree dropped it since). See ``sgl_fair.kv_follow``.
+    """
+
+    def stored(
+        self, base: object | None, up: int, tokens: Tokens, path: Callable[[], Tokens]
+    ) -> object | None:
+        """The worker holds ``tokens`` below the point (``path()``: root to their end).
+        Returns a handle for the end of ``tokens`` (or None)."""
+        ...
+
+    def removed(self, base: object | None, up: int, path: Callable[[], tuple[Tokens, int]]) -> None:
+        """The worker dropped what lies below the point towards ``base`` (``path()``:
+        ``(path, start)``, as ``Removed``)."""
+        ...
+
+    def cleared(self) -> None:
+        """The worker dropped its whole cache."""
+        ...
+
+
+class _Recorder:
+    """``apply``'s follower: every op with its whole path."""
+
+    def __init__(self) -> None:
+        self.ops: list[TreeOp] = []
+
+    def stored(self, base: object, up: int, tokens: Tokens, path: Callable[[], Tokens]) -> None:
+        self.ops.append(Stored(path()))
+
+    def removed(self, base: object, up: int, path: Callable[[], tuple[Tokens, int]]) -> None:
+        self.ops.append(Removed(*path()))
+
+    def cleared(self) -> None:
+        self.ops.append(Cleared())
 
 
 class KVEventDecoder:
@@ -119,9 +170,17 @@ class KVEventDecoder:
         return self._num_pages
 
     def apply(self, batch: EventBatch | Iterable[KVEvent]) -> list[TreeOp]:
-        """The tree operations for one batch (or a list of events), in order."""
+        """The tree operations for one batch (or a list of events), in order, each with its
+        whole path (O(depth) per op: ``follow`` is the O(new tokens) way)."""
+        rec = _Recorder()
+        self.follow(batch, rec)
+        return rec.ops
+
+    def follow(self, batch: EventBatch | Iterable[KVEvent], sink: TreeFollower) -> None:
+        """Tell ``sink`` each tree operation of one batch as it is decoded (before the next
+        event changes anything), by the handle ``sink`` gave for an earlier op through the
+        same point where one is known: cost per event O(its tokens), not O(prefix depth)."""
         events = batch.events if isinstance(batch, EventBatch) else batch
-        ops: list[TreeOp] = []
         for ev in events:
             if isinstance(ev, AllBlocksCleared):
                 self._index.clear()
@@ -129,17 +188,21 @@ class KVEventDecoder:
                 self._roots.clear()
                 self._num_pages = 0
                 self._last = None
-                ops.append(Cleared())
+                sink.cleared()
                 continue
             if not isinstance(ev, (BlockStored, BlockRemoved)):
                 raise TypeError(f"not a KV cache event: {ev!r}")
             if self.medium is not None and ev.medium is not None and ev.medium != self.medium:
                 self.num_ignored += 1
             elif isinstance(ev, BlockStored):
-                self._stored(ev, ops)
+                self._stored(ev, sink)
             else:
-                self._removed(ev, ops)
-        return ops
+                self._removed(ev, sink)
+
+    def drop_handles(self) -> None:
+        """Forget every handle a follower gave (its tree was replaced)."""
+        for seg in self._segs.values():
+            seg.marks = seg.handles = None
 
     def leaf_paths(self) -> list[Tokens]:
         """The token path of every known page with no known child: together, every path the
@@ -161,6 +224,29 @@ class KVEventDecoder:
 
     def _pos(self, v: int) -> tuple[_Seg, int]:
         return self._segs[v >> 32], v & 0xFFFFFFFF
+
+    @staticmethod
+    def _ref(seg: _Seg | None, i: int, extra: int = 0) -> tuple[object | None, int]:
+        """The handle of the nearest marked page at or below page ``(seg, i)`` in its run, and
+        how many tokens its end lies below the point ``extra`` tokens above that page's end."""
+        if seg is not None and seg.marks:
+            k = bisect_left(seg.marks, i)
+            if k < len(seg.marks):
+                return seg.handles[k], (seg.marks[k] - i) * seg.size + extra  # type: ignore[index]
+        return None, 0
+
+    @staticmethod
+    def _mark(seg: _Seg, i: int, handle: object) -> None:
+        if seg.marks is None:
+            seg.marks, seg.handles = array("i"), []
+        marks, handles = seg.marks, seg.handles
+        assert handles is not None
+        k = bisect_left(marks, i)
+        if k < len(marks) and marks[k] == i:
+            handles[k] = handle
+        else:
+            marks.insert(k, i)
+            handles.insert(k, handle)
 
     def _path(self, seg: _Seg | None, i: int) -> Tokens:
         if seg is None:
@@ -192,7 +278,7 @@ class KVEventDecoder:
 
     # ---- stores --------------------------------------------------------------------------
 
-    def _stored(self, ev: BlockStored, ops: list[TreeOp]) -> None:
+    def _stored(self, ev: BlockStored, sink: TreeFollower) -> None:
         hashes, token_ids, size = ev.block_hashes, ev.token_ids, ev.block_size
         if not hashes or size < 1 or len(token_ids) != size * len(hashes):
             self.num_malformed += 1
@@ -232,6 +318,7 @@ class KVEventDecoder:
             cur = pos
             k += 1
         m = k
+        at = cur  # the last page already known: new pages hang below it
         if m < n:
             new = vals[k:n] < 0
             m = n if new.all() else k + int(np.argmin(new))
@@ -246,10 +333,19 @@ class KVEventDecoder:
             if m > k:
                 cur = self._add(cur, size, tokens[k * size : m * size], keys[k:m])
         if m:
-            path = self._path(*anchor) + tokens[: m * size]
-            assert cur[0] is not None
-            self._last = (cur[0], cur[1], path)
-            ops.append(Stored(path))
+            end_seg, end_i = cur
+            assert end_seg is not None
+            added = tokens[k * size : m * size]
+
+            def path() -> Tokens:
+                p = self._path(*at) + added
+                self._last = (end_seg, end_i, p)
+                return p
+
+            base, up = self._ref(*at)
+            handle = sink.stored(base, up, added, path)
+            if handle is not None:
+                self._mark(end_seg, end_i, handle)
 
     def _add(self, at: Pos, size: int, tokens: Tokens, keys: np.ndarray) -> tuple[_Seg, int]:
         """New pages below ``at``; returns the last one's position."""
@@ -286,7 +382,7 @@ class KVEventDecoder:
 
     # ---- removals ------------------------------------------------------------------------
 
-    def _removed(self, ev: BlockRemoved, ops: list[TreeOp]) -> None:
+    def _removed(self, ev: BlockRemoved, sink: TreeFollower) -> None:
         uniq = list(dict.fromkeys(ev.block_hashes))
         vals = self._index.get(as_keys(uniq)) if uniq else np.zeros(0, dtype=np.int64)
         known = [self._pos(int(v)) for v in vals if v >= 0]
@@ -300,19 +396,29 @@ class KVEventDecoder:
             if ps is None or (ps.id, pi) not in gone:
                 roots.append((s, i))
         for s, i in roots:
-            path = self._path(s, i)
-            start = len(path) - s.size + self._still_held(s, i, gone)
-            if start < len(path):
-                ops.append(Removed(path, start))
+            held = self._still_held(s, i, gone)
+            if held < s.size:
+                base, up = self._ref(s, i, s.size - held)
+                sink.removed(base, up, self._path_from(s, i, held))
                 continue
             # Every token of the page stays through a sibling page: EAGLE's bigram pages
             # (x, y1) and (x, y2) both hold x. What goes is below it, from each child page on
             # (its first token, y1, differs from the sibling's y2).
-            for c in self._children(s, i):
-                ops.append(Removed(self._path(*c), len(path)))
+            for c, j in self._children(s, i):
+                base, up = self._ref(c, j, c.size)
+                sink.removed(base, up, self._path_from(c, j, 0))
         self._last = None
         for s, i in roots:
             self._forget(s, i)
+
+    def _path_from(self, seg: _Seg, i: int, held: int) -> Callable[[], tuple[Tokens, int]]:
+        """``(path, start)`` of page ``(seg, i)`` less its first ``held`` tokens, when asked."""
+
+        def path() -> tuple[Tokens, int]:
+            p = self._path(seg, i)
+            return p, len(p) - seg.size + held
+
+        return path
 
     def _still_held(self, seg: _Seg, i: int, gone: set[tuple[int, int]]) -> int:
         """Leading tokens of page ``(seg, i)`` still held through a sibling page that stays."""
@@ -343,6 +449,10 @@ class KVEventDecoder:
                 for lst in s.children.values():
                     stack.extend(lst)
         dead.append(np.frombuffer(seg.hashes, dtype=np.int64)[i:].copy())
+        if seg.marks:
+            k = bisect_left(seg.marks, i)
+            del seg.marks[k:]
+            del seg.handles[k:]  # type: ignore[index]
         self._num_pages -= seg.n - i
         del seg.hashes[i:]
         del seg.tokens[i * seg.size :]
@@ -367,5 +477,6 @@ __all__ = [
     "KVEventDecoder",
     "Removed",
     "Stored",
+    "TreeFollower",
     "TreeOp",
 ]

@@ -32,40 +32,7 @@ from collections.abc import Callable, Hashable, Sequence
 from itertools import chain
 from typing import NamedTuple
 
-Tokens = tuple[int, ...]
-
-
-class Node:
-    __slots__ = (
-        "key",
-        "parent",
-        "children",
-        "lock_ref",
-        "last_access",
-        "owners",
-        "version",
-        "_in_heap",
-        "slots",
-    )
-
-    def __init__(self, key: Tokens, parent: Node | None, last_access: int = 0) -> None:
-        self.key = key
-        self.parent = parent  # None for the root and for nodes removed from the tree
-        self.children: dict[int, Node] = {}
-        self.lock_ref = 0
-        self.last_access = last_access
-        self.owners: set[Hashable] = set()
-        # Bumped when a child is added below this node (or its parent) or removed from it:
-        # a memoized match that ended here is stale iff the version moved (MatchMemo).
-        self.version = 0
-        # True while the eviction heap holds an entry for this node (see RadixTree._heap).
-        self._in_heap = False
-        # Payload, one entry per key token (exact KV cache: device slots); splits with the edge.
-        self.slots: list[int] | None = None
-
-    def __repr__(self) -> str:
-        state = f"lock_ref={self.lock_ref}, last_access={self.last_access}"
-        return f"Node(key={self.key!r}, {state}, owners={self.owners!r})"
+from sgl_fair.radix_node import Node, Tokens
 
 
 class MatchResult(NamedTuple):
@@ -219,10 +186,50 @@ class RadixTree:
 
     def insert(self, tokens: Sequence[int], *, owner: Hashable | None = None) -> InsertResult:
         """Add the missing suffix of ``tokens``; touch the path; add ``owner`` along it."""
-        tokens = tuple(tokens)
+        return self._insert_from(self.root, tuple(tokens), owner)
+
+    def insert_below(
+        self, node: Node, up: int, tokens: Sequence[int], *, owner: Hashable | None = None
+    ) -> InsertResult | None:
+        """``insert(path + tokens, owner=owner)``, ``path`` ending ``up`` tokens above the end
+        of ``node``'s key (a node kept from an earlier insert through that point): O(tokens +
+        nodes climbed), no walk from the root. None if ``node`` cannot stand for it (removed,
+        not ``owner``'s — owners are downward-closed —, or ``up`` beyond its depth): insert
+        the whole path then. ``prefix_len`` counts from the point."""
+        point = self._point(node, up, owner)
+        if point is None:
+            return None
+        return self._insert_from(point, tuple(tokens), owner)
+
+    def remove_owner_below(self, node: Node, up: int, owner: Hashable) -> int | None:
+        """``remove_owner(path, owner, from_len=len(path) - up)``, ``path`` being ``node``'s
+        and ``up`` ≥ 1: O(nodes climbed + subtree). None as for ``insert_below``."""
+        if up < 1 or node.parent is None or owner not in node.owners:
+            return None
+        while up > len(node.key):
+            up -= len(node.key)
+            node = node.parent
+            if node is self.root:
+                return None
+        if up < len(node.key):
+            self._split(node, len(node.key) - up)  # `node` stays the lower part
+        return self._drop_owner(node, owner)
+
+    def _point(self, node: Node, up: int, owner: Hashable | None) -> Node | None:
+        """The node ending ``up`` tokens above ``node``'s end (an edge cut there if needed)."""
+        if node.parent is None or (owner is not None and owner not in node.owners):
+            return None
+        while up >= len(node.key) and up:
+            up -= len(node.key)
+            node = node.parent
+            if node is self.root:
+                return node if not up else None
+        return self._split(node, len(node.key) - up) if up else node
+
+    def _insert_from(self, node: Node, tokens: Tokens, owner: Hashable | None) -> InsertResult:
         n = len(tokens)
         tick = self._tick()
-        node, pos = self.root, 0
+        pos = 0
         while pos < n:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -369,6 +376,9 @@ class RadixTree:
             return 0  # downward-closed: nobody below holds it either
         if pos < from_len:
             self._split(child, from_len - pos)  # `child` stays the lower part
+        return self._drop_owner(child, owner)
+
+    def _drop_owner(self, child: Node, owner: Hashable) -> int:
         # Pre-order over the nodes holding `owner`; reversed, children come before parents,
         # so a parent whose children were all pruned is seen childless.
         visited: list[Node] = []
@@ -461,38 +471,6 @@ class RadixTree:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the structure or a counter is inconsistent."""
-        root = self.root
-        assert root.key == () and root.parent is None, "root must have an empty key, no parent"
-        assert root.lock_ref == 0, f"root lock_ref must stay 0, got {root.lock_ref}"
-        heap_time = {}
-        for last_access, _, node in self._heap:
-            heap_time[id(node)] = min(last_access, heap_time.get(id(node), last_access))
-        num_nodes, total, evictable = 1, 0, 0
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            for first, child in node.children.items():
-                assert child.key, f"empty key under {node!r}"
-                assert child.key[0] == first, f"child {child!r} filed under token {first}"
-                assert child.parent is node, f"bad parent pointer at {child!r}"
-                assert child.lock_ref >= 0, f"negative lock_ref at {child!r}"
-                if node is not root:
-                    assert node.lock_ref >= child.lock_ref, f"lock_ref above {child!r} too low"
-                    assert child.owners <= node.owners, f"owners not downward-closed at {child!r}"
-                num_nodes += 1
-                total += len(child.key)
-                if child.lock_ref == 0:
-                    evictable += len(child.key)
-                    if not child.children:
-                        when = heap_time.get(id(child))
-                        assert when is not None and when <= child.last_access, (
-                            f"evictable leaf {child!r} has no valid eviction-heap entry"
-                        )
-                assert child._in_heap == (id(child) in heap_time), f"heap flag wrong at {child!r}"
-                stack.append(child)
-        assert num_nodes == self._num_nodes, f"node count {self._num_nodes} != {num_nodes}"
-        assert total == self._total_tokens, f"total_tokens {self._total_tokens} != {total}"
-        assert evictable == self._evictable_tokens, (
-            f"evictable_tokens {self._evictable_tokens} != {evictable}"
-        )
-        assert self.locked_tokens == total - evictable, "locked_tokens mismatch"
+        from sgl_fair.radix_check import check_tree
+
+        check_tree(self)

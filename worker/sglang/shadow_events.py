@@ -31,8 +31,9 @@ from typing import Any
 
 import msgspec
 
-from sgl_fair.kv_decoder import Cleared, KVEventDecoder, Removed, Stored
+from sgl_fair.kv_decoder import KVEventDecoder
 from sgl_fair.kv_events import decode_batch
+from sgl_fair.kv_follow import OwnerFollower
 from sgl_fair.worker.sglang.shadow import OWNER, ShadowCache
 
 log = logging.getLogger("sgl_fair.sglang")
@@ -68,6 +69,7 @@ class EventShadow(ShadowCache):
         self.namespaced = False
         self._take = tree_cache.take_events  # the cache's own (bound) method
         self._backoff = 0  # passes to wait after the last failed rebuild (doubling)
+        self._follower: _Follower | None = None  # applies the decoder's ops to the tree
         self._skip = 0  # passes still to wait before the next rebuild
 
         def take_events() -> list:
@@ -117,15 +119,11 @@ class EventShadow(ShadowCache):
         # SGLang's event objects, read as our structs of the same wire format (its publisher
         # encodes the same way): one msgpack round trip, not a field-by-field copy.
         batch = decode_batch(msgspec.msgpack.encode([0.0, events, None]))
-        for op in self.decoder.apply(batch):
-            if isinstance(op, Stored):
-                self._tree(DEFAULT_NS).insert(op.path, owner=OWNER)
-            elif isinstance(op, Removed):
-                tree = self.trees.get(DEFAULT_NS)
-                if tree is not None:
-                    tree.remove_owner(op.path, OWNER, from_len=op.start)
-            elif isinstance(op, Cleared):
-                self.clear()
+        tree = self._tree(DEFAULT_NS)
+        if self._follower is None or self._follower.tree is not tree:
+            self._follower = _Follower(self, tree)
+            self.decoder.drop_handles()  # nodes of a tree since replaced (clear, rebuild)
+        self.decoder.follow(batch, self._follower)
 
     def rebuild(self) -> None:
         """The tree again from every page the decoder knows (each known page's path)."""
@@ -170,3 +168,16 @@ class EventShadow(ShadowCache):
     def handles(self, req: Any) -> bool:
         """Events name no ``extra_key``: a request with a namespace is matched exactly."""
         return req.extra_key is None and not req.cache_salt and req.lora_id is None
+
+
+class _Follower(OwnerFollower):
+    """The decoder's ops into the shadow's tree, by handle (``sgl_fair.kv_follow``)."""
+
+    def __init__(self, shadow: EventShadow, tree: Any) -> None:
+        super().__init__(tree, OWNER)
+        self._shadow = shadow
+
+    def cleared(self) -> None:
+        self._shadow.clear()
+        self.tree = self._shadow._tree(DEFAULT_NS)  # the rest of the batch goes to the new one
+        self._shadow._follower = self
