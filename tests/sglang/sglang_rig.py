@@ -39,7 +39,7 @@ def publish_server_args() -> None:
         _published = True
 
 
-def unified_cache(alloc: TokenToKVPoolAllocator, *, events: bool = True) -> Any:
+def unified_cache(alloc: Any, *, events: bool = True, page_size: int = 1) -> Any:
     """SGLang's ``UnifiedRadixCache`` over ``alloc``, with its Python tree core (the Rust one,
     the default, is not built here; both publish the same KV events)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -47,7 +47,8 @@ def unified_cache(alloc: TokenToKVPoolAllocator, *, events: bool = True) -> Any:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     params = CacheInitParams(
-        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1,
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
         enable_kv_cache_events=events, tree_core_backend="python",
         tree_components=(ComponentType.FULL,),
     )  # fmt: skip

@@ -14,7 +14,7 @@ from array import array
 
 import pytest
 import torch
-from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.common import match_kv_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -26,14 +26,22 @@ from sgl_fair.worker.sglang import shadow_events
 from sgl_fair.worker.sglang.shadow_events import EventShadow
 
 
-def unified_cache(kv_tokens: int = 50_000, *, events: bool = True) -> UnifiedRadixCache:
+def unified_cache(
+    kv_tokens: int = 50_000, *, events: bool = True, page_size: int = 1
+) -> UnifiedRadixCache:
     publish_server_args()
-    alloc = TokenToKVPoolAllocator(kv_tokens, torch.float16, "cpu", None, False)
-    return rig_unified_cache(alloc, events=events)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(kv_tokens, torch.float16, "cpu", None, False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(kv_tokens, page_size, torch.float16, "cpu", None, False)
+    return rig_unified_cache(alloc, events=events, page_size=page_size)
 
 
 def insert(cache: UnifiedRadixCache, ids: list[int]) -> None:
     alloc = cache.token_to_kv_pool_allocator
+    ids = ids[: len(ids) // cache.page_size * cache.page_size]  # SGLang caches whole pages
+    if not ids:
+        return
     key = RadixKey(token_ids=array("q", ids))
     result = cache.insert(InsertParams(key=key, value=alloc.alloc(len(ids))))
     assert result is not None
@@ -44,10 +52,13 @@ def test_supported_needs_events():
     assert "KV events are off" in shadow_events.supported(unified_cache(events=False))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_prefix_lengths_match_sglangs_and_the_publisher_sees_every_event(seed):
+@pytest.mark.parametrize(("seed", "page_size"), [(0, 1), (1, 1), (2, 1), (0, 16), (1, 4)])
+def test_prefix_lengths_match_sglangs_and_the_publisher_sees_every_event(seed, page_size):
+    """At page size 1 and above (issue 39: a paged server used to match every waiting
+    request exactly, each pass, uncapped)."""
     rng = random.Random(seed)
-    cache = unified_cache(kv_tokens=2_000)
+    cache = unified_cache(kv_tokens=2_048, page_size=page_size)
+    assert shadow_events.supported(cache) is None
     recorded = []  # every event the cache handed out, in order
     take = cache.take_events
 

@@ -71,7 +71,7 @@ def adapter_for(tree_cache: Any) -> FairSchedulePolicy | None:
     return _ADAPTERS.get(id(tree_cache))
 
 
-# Where the shadow cannot answer (page size > 1 without events, attention TP, namespaced
+# Where the shadow cannot answer (KV events off, attention TP, namespaced
 # requests), a pass matches at most this many waiting requests on SGLang's own tree, as
 # SGLang's LPM matches none beyond 128 waiting; the rest keep the length of their last match.
 EXACT_MATCHES_PER_PASS = 128

@@ -18,10 +18,10 @@ stream our router follows. ``EventShadow`` follows it too:
   until it matches again.
 
 Limits (``supported`` says why not; the adapter then keeps the exact path): KV events must be
-on (the launcher turns them on: ``--kv-events-config``); page size 1 (SGLang's default);
-and requests in one namespace (events do not name an ``extra_key``: a request with one, a
-``cache_salt`` or a LoRA is matched exactly, by SGLang; events naming a LoRA or a salt turn
-the shadow off).
+on (the launcher turns them on: ``--kv-events-config``); any page size (above 1 the tree
+keys on page tuples, as ``ShadowCache``); and requests in one namespace (events do not name
+an ``extra_key``: a request with one, a ``cache_salt`` or a LoRA is matched exactly, by
+SGLang; events naming a LoRA or a salt turn the shadow off).
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def supported(tree_cache: Any) -> str | None:
     recorder = getattr(getattr(tree_cache, "tree_core", None), "kv_events", None)
     if not getattr(recorder, "enabled", False):
         return "KV events are off (--kv-events-config turns them on)"
-    if int(getattr(tree_cache, "page_size", 1) or 1) != 1:
-        return "page size > 1"
     if getattr(getattr(tree_cache, "tree_core", None), "is_eagle", False):
         return "EAGLE bigram keys (SGLang's match needs the next token too)"
     return None
@@ -60,7 +58,7 @@ def supported(tree_cache: Any) -> str | None:
 class EventShadow(ShadowCache):
     def __init__(self, tree_cache: Any) -> None:
         """``ShadowCache``'s state, without its recorder hooks: ``take_events`` is wrapped."""
-        self._init_state(tree_cache, page=1)
+        self._init_state(tree_cache, page=max(1, int(getattr(tree_cache, "page_size", 1) or 1)))
         self.decoder = KVEventDecoder()
         self._kept: list = []  # events taken for the shadow, not yet given to SGLang's publisher
         self._following = True
@@ -131,7 +129,7 @@ class EventShadow(ShadowCache):
         self.dirty = False
         tree = self._tree(DEFAULT_NS)
         for path in self.decoder.leaf_paths():
-            tree.insert(path, owner=OWNER)
+            tree.insert(self._units(path), owner=OWNER)
 
     def begin_pass(self, waiting_queue: Any) -> None:
         """Before an admission pass: apply new events, self-check. Never raises into SGLang's
@@ -171,11 +169,37 @@ class EventShadow(ShadowCache):
 
 
 class _Follower(OwnerFollower):
-    """The decoder's ops into the shadow's tree, by handle (``sgl_fair.kv_follow``)."""
+    """The decoder's ops into the shadow's tree, by handle (``sgl_fair.kv_follow``). With
+    pages of ``P > 1`` tokens the tree's edges hold page tuples (``ShadowCache._units``):
+    SGLang stores and evicts whole pages, so every op is whole pages too, and a handle's
+    ``up`` counts pages; an op that is not (a producer out of step) leaves the shadow dirty."""
 
     def __init__(self, shadow: EventShadow, tree: Any) -> None:
         super().__init__(tree, OWNER)
         self._shadow = shadow
+        self._page = shadow.page
+
+    def stored(self, base, up, tokens, path):  # type: ignore[no-untyped-def,override]
+        p = self._page
+        if p == 1:
+            return super().stored(base, up, tokens, path)
+        if len(tokens) % p or up % p:
+            self._shadow.dirty = True
+            return None
+        units = self._shadow._units
+        return super().stored(base, up // p, units(tokens), lambda: units(path()))
+
+    def removed(self, base, up, path) -> None:  # type: ignore[no-untyped-def]
+        p = self._page
+        if p == 1:
+            return super().removed(base, up, path)
+
+        def paged() -> tuple[tuple, int]:
+            full, start = path()
+            return self._shadow._units(full), start // p  # a page sharing leading tokens
+            # with a surviving sibling still goes whole: page tuples share nothing
+
+        return super().removed(base, -(-up // p), paged)
 
     def cleared(self) -> None:
         self._shadow.clear()
