@@ -276,6 +276,9 @@ class D2LPM(BaseRouterPolicy):
         here, so every replica's deficits follow the service all replicas dispatched."""
         if worker in view.workers:
             cfg = self.config
+            if client not in self._deficits:  # new here: D starts at 0 on every worker, so
+                # the sliding rule does not start the others level with this charged one
+                self._touch(client).update(dict.fromkeys(view.workers, 0.0))
             self._charge(worker, client, cfg.extend_weight * extend + cfg.output_weight * output)
 
     def on_worker_removed(self, worker: int) -> None:

@@ -205,6 +205,31 @@ def test_d2lpm_replicas_see_each_others_service_and_queues_through_reports():
     assert a.policy.deficit(d.worker, "c") == before - 40 - 2 * 4  # w_o = 2
 
 
+@pytest.mark.parametrize("deficits", ["sliding", "rounds"])
+def test_a_client_first_seen_in_a_report_keeps_its_spread_over_the_workers(deficits):
+    """Replica b first hears of client c from a's row on worker 0 (1,500 extend, past one
+    quantum): c's next call through b leaves worker 0, though b's tree says it holds c's
+    prefix. (With sliding deficits the worker c had no deficit on yet used to start level with
+    the charged one, so the report's spread was lost and the call stayed on worker 0.)"""
+    opts = {"quantum": 1000.0, "deficits": deficits}
+    a = ReplicaRouter(make_router_policy("d2lpm", **opts), 2, replica=0)
+    b = ReplicaRouter(make_router_policy("d2lpm", **opts), 2, replica=1)
+    ledgers = [ServiceLedger(boot=1, full_every=1), ServiceLedger(boot=2, full_every=1)]
+    for u in range(2):  # b's first snapshots: baselines
+        b.handle(Load(u, 0.0, 0, 0, 0, 0, 100, service=ledgers[u].report()), 0.0)
+    prefix = tuple(range(1500))
+    first = Request(rid="r1", client="c", input_ids=prefix, output_len=4, arrival_s=0.1)
+    d = a.dispatch(first, 0.1)
+    ledgers[d.worker].received("r1", a.replica, "c", a.last_tag[1])
+    ledgers[d.worker].sent("r1", 4)
+    for u in range(2):
+        b.handle(Load(u, 0.2, 0, 0, 0, 0, 100, service=ledgers[u].report()), 0.2)
+    assert b.state.service(d.worker, "c") == (1500, 4)
+    b.tree.insert(prefix, d.worker)  # as the worker's KV events tell b
+    follow_up = Request(rid="r2", client="c", input_ids=(*prefix, 7), output_len=4, arrival_s=0.3)
+    assert b.dispatch(follow_up, 0.3).worker != d.worker
+
+
 def test_a_replicas_view_is_stale_by_at_most_one_period_and_never_ahead():
     """Two replicas and two workers, each worker reporting every ``period``; every message
     takes ``delay``. At every instant, replica 0's view of each (worker, client) holds all
