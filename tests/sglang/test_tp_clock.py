@@ -29,7 +29,7 @@ def _readings(*values):
     return read
 
 
-def _run_ranks(clocks, tick_from=None) -> list[list[str]]:
+def _run_ranks(clocks, tick_from=None, pipeline=False) -> list[list[str]]:
     """The same two scheduler iterations on one adapter per rank: ``rpm`` at 1 request per
     second per client; iteration 2's request comes 0.997 s after iteration 1's on rank 0,
     and rank 1 reads its own clock 5 ms later then. ``tick_from``: the rank whose clock
@@ -42,7 +42,15 @@ def _run_ranks(clocks, tick_from=None) -> list[list[str]]:
         adapters.append((rig, FairSchedulePolicy(policy, rig.tree, clock=clock, shadow=False)))
     try:
         for step in range(2):
-            if tick_from is not None:
+            if pipeline:  # stage 0 pulls and ticks; each stage relays to the next
+                pulled = []
+                clocks[0].stamp(pulled)
+                assert clocks[0].take(pulled) == []
+                for before, after in zip(clocks, clocks[1:], strict=False):
+                    relayed: list = ["req"]  # what the stage ingested, sent on
+                    before.relay(relayed)
+                    assert after.take(relayed) == ["req"]
+            elif tick_from is not None:
                 pulled: list = []
                 clocks[tick_from].stamp(pulled)  # the pulling rank
                 for clock in clocks:  # SGLang's broadcast: the same list on every rank
@@ -117,3 +125,46 @@ def test_the_plugin_ticks_through_sglangs_own_receiver(monkeypatch):
         for s in socks:
             s.close(linger=0)
         ctx.term()
+
+
+def test_pipeline_stages_decide_by_stage_0s_tick():
+    """PP stages plan the same batches: stage 1 takes stage 0's tick from what stage 0
+    relays (``RankClock.relay``), never its own clock 5 ms later (issue 39: every stage
+    stamped its own)."""
+    own = _run_ranks([_readings(100.000, 100.997), _readings(100.000, 101.002)])
+    assert own[0] != own[1]  # on their own clocks the stages diverge
+    stage0 = RankClock(_readings(100.000, 100.997))
+    stage1 = RankClock(_readings(100.000, 101.002))
+    assert _run_ranks([stage0, stage1], pipeline=True) == [["step-0", ""], ["step-0", ""]]
+    assert stage0() == stage1() == 100.997
+    unchanged: list = []
+    stage0.relay(unchanged)  # the same tick again: nothing to send
+    assert unchanged == []
+
+
+def test_the_plugin_relays_the_tick_down_the_pipeline(monkeypatch):
+    """Through the plugin's hooks: stage 0's ingested list gains its tick for stage 1;
+    stage 1 (which "pulls" that list from stage 0) does not stamp its own, and takes stage
+    0's at SGLang's real broadcast; the last stage relays nothing."""
+    from sglang.srt.managers.scheduler_components.request_receiver import (
+        SchedulerRequestReceiver as Receiver,
+    )
+    from sglang.srt.runtime_context import get_parallel
+
+    from sgl_fair.worker.sglang import plugin
+
+    monkeypatch.setattr(plugin, "_ticks_every_pass", True)
+    monkeypatch.setattr(RANK_CLOCK, "t", 50.0)
+    monkeypatch.setattr(RANK_CLOCK, "_relayed", None)
+    req = object()
+    with get_parallel().override(pp_rank=0, pp_size=2):
+        sent = plugin._after_ingest([req], None)
+    assert sent[0] is req and [type(x) for x in sent] == [object, Tick] and sent[1].t == 50.0
+    monkeypatch.setattr(RANK_CLOCK, "t", 49.0)  # stage 1's own reading: must not count
+    with get_parallel().override(pp_rank=1, pp_size=2, attn_tp_rank=0, attn_cp_rank=0):
+        pulled = plugin._after_pull(list(sent), None)
+        assert [type(x) for x in pulled] == [object, Tick]  # no second, local tick
+        out = Receiver._broadcast_reqs_across_ranks(SimpleNamespace(), pulled, None)
+        assert out == [req] and RANK_CLOCK() == 50.0
+        last = plugin._after_ingest([req], None)
+    assert last == [req]  # the last stage sends nothing on

@@ -10,6 +10,11 @@ adds a ``Tick`` with its clock to what it pulled, SGLang's own broadcast of the 
 before SGLang sees the list. ``RankClock()`` is the last tick: identical on every rank, and
 constant within a scheduler iteration (every decision of one pass reads the same time).
 
+Pipeline stages must plan the same batches too. Stage k > 0 pulls nothing from the tokenizer:
+stage k − 1 sends it what it ingested (``Scheduler.ingest_requests``' return value exists for
+that relay), so the plugin adds the tick there (``relay``) and a later stage never stamps
+its own: every stage reads stage 0's reading, taken with the requests it came with.
+
 Pure: no sglang import (``plugin.py`` hooks these into SGLang).
 """
 
@@ -36,6 +41,7 @@ class RankClock:
         self.source = source
         self.t: float | None = None
         self.num_ticks = 0
+        self._relayed: float | None = None  # the last tick relayed to the next PP stage
 
     def __call__(self) -> float:
         t = self.t
@@ -44,6 +50,15 @@ class RankClock:
     def stamp(self, pulled: list[Any]) -> None:
         """On the pulling rank: add this iteration's tick to the requests it pulled."""
         pulled.append(Tick(self.source()))
+
+    def relay(self, reqs: list[Any]) -> None:
+        """On a pipeline stage that sends what it ingested on to the next stage: add the
+        tick it decides by, when it changed since the last one sent (stage 0's reading
+        reaches every stage with the requests it came with; a stage never stamps its own)."""
+        t = self.t
+        if t is not None and t != self._relayed:
+            reqs.append(Tick(t))
+            self._relayed = t
 
     def take(self, reqs: list[Any]) -> list[Any]:
         """On every rank, after the broadcast: take the ticks out, keep the latest."""

@@ -13,7 +13,8 @@ with SGLang's ``HookRegistry`` (applied by SGLang right after plugins load)::
     Scheduler.get_internal_state       AFTER   its hooks' failures and ledger, at run time
     SchedulerRequestReceiver._pull_raw_reqs               AFTER  the pulling rank's clock tick
     SchedulerRequestReceiver._broadcast_reqs_across_ranks AFTER  every rank takes the tick
-                                       (clock.py: one clock for all TP ranks)
+    Scheduler.ingest_requests          AFTER   the tick relayed to the next pipeline stage
+                                       (clock.py: one clock for all TP ranks and PP stages)
 
 Bad settings stop the scheduler process with one line naming the variable, and so does a
 hook SGLang did not apply (``check_hooks``, at install): a server asked to be fair never
@@ -47,6 +48,7 @@ TARGETS = {
     "pull": f"{RECEIVER}._pull_raw_reqs",
     "broadcast": f"{RECEIVER}._broadcast_reqs_across_ranks",
     "internal_state": f"{SCHEDULER}.get_internal_state",
+    "ingest": f"{SCHEDULER}.ingest_requests",
 }
 
 # The key of the plugin's state in what the scheduler reports at start (``get_init_info``),
@@ -87,6 +89,7 @@ def register() -> None:
     HookRegistry.register(TARGETS["pull"], _after_pull, HookType.AFTER)
     HookRegistry.register(TARGETS["broadcast"], _after_broadcast, HookType.AFTER)
     HookRegistry.register(TARGETS["internal_state"], _after_internal_state, HookType.AFTER)
+    HookRegistry.register(TARGETS["ingest"], _after_ingest, HookType.AFTER)
     # No "on" line here: SGLang configures its logging after loading plugins (install_policy
     # writes it, once the scheduler's log is set up).
 
@@ -163,13 +166,35 @@ def tp_ranks() -> int:
         return 1
 
 
+def pp_stage() -> tuple[int, int]:
+    """``(pp_rank, pp_size)`` of this scheduler ((0, 1) where no config is published)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return int(getattr(p, "pp_rank", 0) or 0), max(1, int(getattr(p, "pp_size", 1) or 1))
+    except (ImportError, ValueError, AttributeError, TypeError, RuntimeError):
+        return 0, 1
+
+
 def _after_pull(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
     # This rank pulled from the tokenizer: it ticks when it pulled requests (their arrival
     # time), or every iteration for a policy whose order reads the clock. An empty list stays
     # empty otherwise: on TP > 1 SGLang's broadcast of an empty list is one collective, of a
-    # tick two, on every scheduler iteration, decode steps included.
-    if isinstance(result, list) and (result or _ticks_every_pass):
+    # tick two, on every scheduler iteration, decode steps included. A later pipeline stage
+    # "pulled" what the stage before relayed, its tick with it (_after_ingest): no stamp.
+    if isinstance(result, list) and (result or _ticks_every_pass) and pp_stage()[0] == 0:
         RANK_CLOCK.stamp(result)
+    return result
+
+
+def _after_ingest(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    # What a pipeline stage ingested goes on to the next stage (SGLang's PP loops send this
+    # list): the tick this stage decides by goes with it (clock.py).
+    if isinstance(result, list):
+        rank, size = pp_stage()
+        if rank < size - 1:
+            RANK_CLOCK.relay(result)
     return result
 
 
@@ -219,7 +244,7 @@ def check_hooks() -> None:
     hooks = {
         "add_request": _around_add_request, "add_one_req": _after_add_one_req,
         "batch_result": _after_batch_result, "abort": _after_abort, "retract": _after_retract,
-        "pull": _after_pull, "broadcast": _after_broadcast,
+        "pull": _after_pull, "broadcast": _after_broadcast, "ingest": _after_ingest,
     }  # fmt: skip
     for key, hook in hooks.items():
         owner, attr = TARGETS[key].rsplit(".", 1)
