@@ -25,26 +25,20 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from sgl_fair.messages import Dispatch
 from sgl_fair.remote import (
     ATTACH_PERIOD_S,
     ClientKeys,
     Detach,
-    DispatchTag,
     attach,
     curve_client,
     encode_control,
     kv_address,
 )
-from sgl_fair.request import Request
 from sgl_fair.router.liveness import WorkerState
 from sgl_fair.router.service import reap
-from sgl_fair.transport import WireError, decode, encode
+from sgl_fair.transport import WireError, decode
 
 log = logging.getLogger("sgl_fair.router")
-
-
-_DISPATCH_KIND = encode(Dispatch(0, Request("k", "c", (1,), 1, 0.0), 0.0))[0]
 
 
 def send_now(sock: zmq.asyncio.Socket, parts: list[Any], copy: bool = True) -> None:
@@ -62,21 +56,14 @@ def send_now(sock: zmq.asyncio.Socket, parts: list[Any], copy: bool = True) -> N
 
 class _Sender:
     """What the service's ``push[wid]`` must be: a synchronous, non-blocking ``send`` that
-    raises ``zmq.Again`` when nobody is connected, and ``close``. A ``Dispatch`` of a router
-    that tags its dispatches (``ReplicaRouter.last_tag``, set by the dispatch just made)
-    goes with its ``DispatchTag`` frame first."""
+    raises ``zmq.Again`` when nobody is connected, and ``close``. (A replica's tag rides in
+    its ``Dispatch``: ``Dispatch.tag``.)"""
 
     def __init__(self, sock: zmq.asyncio.Socket, router: Any) -> None:
         self.sock = sock
         self.router = router
 
     def send(self, data: Any, flags: int = 0, copy: bool = True) -> None:
-        tag = self.router.last_tag
-        if tag is not None and data[0] == _DISPATCH_KIND:
-            self.router.last_tag = None
-            frame = encode_control(DispatchTag(*tag))
-            send_now(self.sock, [frame, data], copy=copy)
-            return
         send_now(self.sock, [data], copy=copy)
 
     def close(self, linger: int | None = None) -> None:

@@ -17,10 +17,10 @@ policy state, its own requests in flight) that, with ``shared=True``, also reads
 own dispatches only. With one replica and ``shared=True`` the reports add nothing, so it
 decides exactly as a plain ``Router``.
 
-Each dispatch is tagged for the worker's ledger: ``last_tag`` = ``(replica, charge)``
-after ``dispatch``, and the ``Dispatch``'s own ``tag`` (the live transport sends the first to
-standalone workers as a frame before the ``Dispatch``; a bridge sends the second to its
-SGLang server's plugin, whose ledger ``/server_info`` reports: ``worker/sglang/ledger.py``).
+Each dispatch is tagged for the worker's ledger: the ``Dispatch``'s own ``tag`` =
+``(replica, charge)`` (also ``last_tag`` after ``dispatch``), which a standalone worker reads
+off the wire and a bridge sends to its SGLang server's plugin, whose ledger ``/server_info``
+reports (``worker/sglang/ledger.py``).
 The charge is the prompt's extend on the chosen worker by this replica's tree
 (``input_len − matched_len_on_u``, D2LPM's dispatch charge before weights).
 """

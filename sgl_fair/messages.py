@@ -26,7 +26,7 @@ import msgspec
 
 from sgl_fair.request import Request
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: a replica's tag rides in Dispatch.tag (no frame before it)
 
 Tokens_ = tuple[int, ...]
 
@@ -43,8 +43,8 @@ class Dispatch(msgspec.Struct, frozen=True, gc=False):
     req: Request
     sent_s: float
     # A router replica's ``(replica, charge)`` for the worker's service ledger
-    # (``router/replica.py``): a bridge sends it to its SGLang server's plugin; standalone
-    # workers take it from the ``DispatchTag`` frame sent before (``sgl_fair/remote.py``).
+    # (``router/replica.py``): a bridge sends it to its SGLang server's plugin, a standalone
+    # worker adds it to its own ledger (``sgl_fair/remote.py``).
     tag: tuple[int, int] | None = None
 
 

@@ -4,7 +4,7 @@ A standalone worker (``python -m sgl_fair.worker --bind tcp://HOST:PORT``) serve
 of routers (replicas) from two sockets::
 
     worker ROUTER bind tcp://HOST:PORT    <──> DEALER connect  each router replica
-        in:  Attach, Detach, [DispatchTag] Dispatch, Abort, FlushCache,
+        in:  Attach, Detach, Dispatch, Abort, FlushCache,
              Shutdown (= Detach from a router)
         out: to the replica that dispatched a request: its Tokens and Finished;
              to every attached replica: Load (the heartbeat) and, on attach, Hello
@@ -16,9 +16,10 @@ the tokens it reports (the router's queue counts rely on that). A replica announ
 with ``Attach`` every ``ATTACH_PERIOD_S``; a worker forgets a replica that is silent for
 ``peer_timeout_s`` or whose connection is gone, and aborts the requests it had dispatched
 (nobody would read their tokens). Message ``worker`` ids are the worker's own; each router
-renumbers them to its slot for the worker. A replica that shares fairness state sends each
-``Dispatch`` as two frames, its ``DispatchTag`` first; the worker's ``Load`` then carries
-the ``ServiceReport`` of every tagged dispatch (``worker/service_ledger.py``).
+renumbers them to its slot for the worker. A replica that shares fairness state tags each
+``Dispatch`` (``Dispatch.tag``: the replica and the extend tokens it charged, as a bridge
+sends it to its SGLang server's plugin); the worker's ``Load`` then carries the
+``ServiceReport`` of every tagged dispatch (``worker/service_ledger.py``).
 
 Keys (ZMQ CURVE, from files written by ``zmq.auth.create_certificates``): the worker holds a
 secret certificate and a folder of the routers' public certificates it accepts; a router
@@ -40,7 +41,9 @@ from sgl_fair.messages import PROTOCOL_VERSION
 from sgl_fair.transport import WireError, decode
 
 ATTACH_PERIOD_S = 1.0
-_ATTACH, _DETACH, _TAG = 40, 41, 42  # kind bytes beside transport's (never reuse theirs)
+# Kind bytes beside transport's (never reuse theirs; 42 was a tag frame before the tag rode
+# in ``Dispatch``, protocol 2).
+_ATTACH, _DETACH = 40, 41
 
 
 class Attach(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -57,25 +60,15 @@ class Detach(msgspec.Struct, array_like=True, frozen=True, gc=False):
     router: str
 
 
-class DispatchTag(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """The frame before a ``Dispatch`` from a replica that shares fairness state: the
-    replica and the extend tokens it charged (``router/replica.py``; the worker's
-    ``ServiceLedger`` adds them to the replica's row for the client)."""
-
-    replica: int
-    charge: int
-
-
 _enc = msgspec.msgpack.Encoder()
 _dec = {
     _ATTACH: msgspec.msgpack.Decoder(Attach),
     _DETACH: msgspec.msgpack.Decoder(Detach),
-    _TAG: msgspec.msgpack.Decoder(DispatchTag),
 }
-_CONTROL_KINDS = {Attach: _ATTACH, Detach: _DETACH, DispatchTag: _TAG}
+_CONTROL_KINDS = {Attach: _ATTACH, Detach: _DETACH}
 
 
-def encode_control(msg: Attach | Detach | DispatchTag) -> bytes:
+def encode_control(msg: Attach | Detach) -> bytes:
     return bytes((_CONTROL_KINDS[type(msg)],)) + _enc.encode(msg)
 
 
@@ -196,7 +189,6 @@ __all__ = [
     "Attach",
     "ClientKeys",
     "Detach",
-    "DispatchTag",
     "ServerKeys",
     "attach",
     "curve_client",

@@ -37,7 +37,6 @@ from sgl_fair.remote import (
     ATTACH_PERIOD_S,
     Attach,
     Detach,
-    DispatchTag,
     ServerKeys,
     curve_server,
     decode_frame,
@@ -68,7 +67,6 @@ class RemoteWorker(LiveWorker):
         self.names: dict[bytes, str] = {}
         self.owners: dict[str, bytes] = {}  # rid -> the replica that dispatched it
         self._peer: bytes | None = None  # whose frame is being handled
-        self._tag: DispatchTag | None = None  # the tag of the Dispatch being handled
         self._ever_tagged = False
         self._housekeeping_s = 0.0
         super().__init__(cfg, ctx=ctx)
@@ -159,17 +157,14 @@ class RemoteWorker(LiveWorker):
             except WireError as e:
                 log.error("worker %d: dropped a bad frame: %s", self.cfg.wid, e)
                 continue
-            tag = None
-            if len(msgs) == 2 and type(msgs[0]) is DispatchTag and type(msgs[1]) is Dispatch:
-                tag, msgs = msgs[0], msgs[1:]
             if len(msgs) != 1:
                 log.error("worker %d: dropped a message of %d frames", self.cfg.wid, len(frames))
                 continue
-            self._peer, self._tag = peer, tag
+            self._peer = peer
             try:
                 self.on_peer_message(peer, msgs[0])
             finally:
-                self._peer = self._tag = None
+                self._peer = None
 
     def on_peer_message(self, peer: bytes, msg: Any) -> None:
         now = time.time()
@@ -198,14 +193,15 @@ class RemoteWorker(LiveWorker):
             self.send(self.hello())
         if type(msg) is Dispatch:
             rid = msg.req.rid
+            tag = msg.tag
             if rid in self.owners or rid in self.core.requests:
-                if self._tag is not None and self._tag.charge >= 0:  # its replica charged it
-                    self.ledger.refused(self._tag.replica, msg.req.client, self._tag.charge)
+                if tag is not None and tag[1] >= 0:  # its replica charged it
+                    self.ledger.refused(tag[0], msg.req.client, tag[1])
                 self._to(peer, self.refused(msg, "request id already in flight on this worker"))
                 return
             self.owners[rid] = peer
-            if self._tag is not None:
-                self.ledger_received(self._tag, msg)
+            if tag is not None:
+                self.ledger_received(tag, msg)
         elif type(msg) is Abort and self.owners.get(msg.rid) != peer:
             return  # not this replica's request
         self.handle(msg)
@@ -221,13 +217,14 @@ class RemoteWorker(LiveWorker):
         batch = kv_events.KVEventBatch(ts=now, events=encoder.events(stored))
         return KVSnapshot(self.cfg.wid, now, kv_events.encode_batch(batch))
 
-    def ledger_received(self, tag: DispatchTag, msg: Dispatch) -> None:
+    def ledger_received(self, tag: tuple[int, int], msg: Dispatch) -> None:
         """Count a tagged dispatch in its replica's row for the client."""
-        if tag.charge < 0:
-            log.error("worker %d: dropped a tag with charge %d", self.cfg.wid, tag.charge)
+        replica, charge = tag
+        if charge < 0:
+            log.error("worker %d: dropped a tag with charge %d", self.cfg.wid, charge)
             return
         req = msg.req
-        self.ledger.received(req.rid, tag.replica, req.client, tag.charge,
+        self.ledger.received(req.rid, replica, req.client, charge,
                              interaction=req.interaction_id)  # fmt: skip
         self._ever_tagged = True
 

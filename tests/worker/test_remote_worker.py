@@ -181,15 +181,13 @@ def test_the_service_report_lists_the_interactions_under_way(worker: int) -> Non
     """A tagged call of an interaction: every replica's Load lists the interaction while the
     call runs and once after its Finished (the cluster OIT of a replica that never saw the
     interaction then lets its next call through), then no more."""
-    from sgl_fair.remote import DispatchTag
-
     ctx = zmq.Context()
     a, b = Replica(ctx, worker, "a"), Replica(ctx, worker, "b")
     for r in (a, b):
         wait_for(r, lambda r=r: r.of(Hello))
     req = request("agent-call", output_len=40)
     req.interaction_id = "agent-7"
-    a.sock.send_multipart([encode_control(DispatchTag(5, 64)), encode(Dispatch(0, req, 0.0))])
+    a.sock.send(encode(Dispatch(0, req, 0.0, tag=(5, 64))))
 
     def listed(r: Replica) -> list[bool]:
         return ["agent-7" in m.service.interactions for m in r.of(Load) if m.service is not None]
