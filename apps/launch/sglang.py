@@ -13,7 +13,7 @@ from typing import Any
 
 from sgl_fair.config import TenantTable
 from sgl_fair.launch.config import LaunchConfig, local_policy_opts, share_guard_on
-from sgl_fair.launch.ports import free_ports
+from sgl_fair.launch.ports import free_ports, hold_ports
 from sgl_fair.launch.workers import Workers
 from sgl_fair.worker.sglang.servers import ServerGroup, ServerProcess, WatchedWorker
 
@@ -289,7 +289,15 @@ def sglang_servers(
 ) -> ServerGroup:
     """The ``cfg.dp`` SGLang servers to start, each with free ports and a log file."""
     log_dir = tempfile.mkdtemp(prefix="sgl-fair-sglang-")
-    ports = free_ports(3 * cfg.dp, avoid=(cfg.port, *avoid))
+    for _ in range(20):  # free when chosen; held (SO_REUSEADDR, never listening) until the
+        # servers bind them, so nothing else takes one meanwhile (a server once failed to
+        # start: "address already in use", its port taken by an outgoing connection)
+        ports = free_ports(3 * cfg.dp, avoid=(cfg.port, *avoid))
+        held = hold_ports("127.0.0.1", ports)
+        if not isinstance(held, int):
+            break
+    else:
+        raise RuntimeError("no free ports on 127.0.0.1 for the SGLang servers")
     servers = []
     for i in range(cfg.dp):
         argv, env = sglang_server_command(
@@ -297,7 +305,7 @@ def sglang_servers(
             tenants=tenants, environ=os.environ,
         )  # fmt: skip
         servers.append(ServerProcess(i, argv, env, os.path.join(log_dir, f"server-{i}.log")))
-    return ServerGroup(servers)
+    return ServerGroup(servers, held)
 
 
 def _flag(argv: Sequence[str], name: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -179,6 +180,18 @@ def test_each_server_gets_its_own_ports_and_log(tmp_path, monkeypatch):
     logs = [s.log_path for s in group.servers]
     assert len(set(logs)) == 3 and all(p.startswith(str(tmp_path)) for p in logs)
     assert group.first_exit() is None  # nothing started
+    # Held until the servers bind them: nothing else takes one (a plain bind, as an outgoing
+    # connection's ephemeral port would), while a server's own SO_REUSEADDR listener can.
+    for port in every:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+    with socket.socket() as owner:
+        owner.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        owner.bind(("127.0.0.1", ports[0]))
+        owner.listen()
+    group.stop()  # and let go with the servers
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", ports[0]))
 
 
 def test_the_plugin_refuses_batch_selecting_policies():

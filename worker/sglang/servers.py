@@ -81,8 +81,12 @@ class ServerProcess:
 class ServerGroup:
     """The SGLang servers of one launch."""
 
-    def __init__(self, servers: Sequence[ServerProcess]) -> None:
+    def __init__(self, servers: Sequence[ServerProcess], held: Sequence[Any] = ()) -> None:
         self.servers = list(servers)
+        # Sockets holding the servers' ports from the moment they were chosen (the launcher's
+        # ``hold_ports``): an outgoing connection must not take one as its ephemeral port in
+        # the seconds before a server binds it. Closed with ``stop``.
+        self.held = list(held)
 
     def start(self) -> None:
         for server in self.servers:
@@ -107,6 +111,9 @@ class ServerGroup:
             s.signal_group(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 s.popen.wait(5.0)
+        for sock in self.held:
+            sock.close()
+        self.held = []
 
 
 class WatchedWorker:
