@@ -51,6 +51,10 @@ class RankClock:
         """On the pulling rank: add this iteration's tick to the requests it pulled."""
         pulled.append(Tick(self.source()))
 
+    def has_news(self) -> bool:
+        """A tick not relayed yet."""
+        return self.t is not None and self.t != self._relayed
+
     def relay(self, reqs: list[Any]) -> None:
         """On a pipeline stage that sends what it ingested on to the next stage: add the
         tick it decides by, when it changed since the last one sent (stage 0's reading

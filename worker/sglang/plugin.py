@@ -191,7 +191,9 @@ def _after_pull(result: Any, receiver: Any, *args: Any, **kwargs: Any) -> Any:
 def _after_ingest(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     # What a pipeline stage ingested goes on to the next stage (SGLang's PP loops send this
     # list): the tick this stage decides by goes with it (clock.py).
-    if isinstance(result, list):
+    # Looked up only when there is a new tick to send (pp_stage costs a few µs, and this runs
+    # every scheduler iteration, decode steps included).
+    if isinstance(result, list) and RANK_CLOCK.has_news():
         rank, size = pp_stage()
         if rank < size - 1:
             RANK_CLOCK.relay(result)
