@@ -113,22 +113,10 @@ def run_ours(urls: list[str], tmp: Path, args: argparse.Namespace, rev: str | No
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--flood", type=int, default=24)
+    sbs.load_args(ap, duration=20.0, idle=3.0, peer="gateway", stored_as="relay-DATE.json")
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--token-interval", type=float, default=0.04,
                     help="seconds between a stream's tokens at the stand-ins")  # fmt: skip
-    ap.add_argument("--policy", default="vtc")
-    ap.add_argument("--prefix-len", type=int, default=256)
-    ap.add_argument("--own-len", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--idle", type=float, default=3.0, help="seconds measured without load")
-    ap.add_argument("--stacks", default="gateway,ours",
-                    help="gateway, ours, ours@REV, ours+process (--bridges process)")  # fmt: skip
-    ap.add_argument("--json", default=None, help="write the result here (under runs/)")
-    ap.add_argument("--results", type=Path, default=None,
-                    help="store it with date, commit and machine (apps/experiment/stored.py): "
-                    "a .json file, or a folder (relay-DATE.json)")  # fmt: skip
     args = ap.parse_args(argv)
     from sgl_fair.experiment import stored
 

@@ -394,22 +394,31 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--duration", type=float, default=30.0)
+def load_args(
+    ap: argparse.ArgumentParser, *, duration: float, idle: float, peer: str, stored_as: str
+) -> None:
+    """The client load's flags (this bench's and ``bench_relay.py``'s), the stacks to run and
+    where the result goes."""
+    ap.add_argument("--duration", type=float, default=duration)
     ap.add_argument("--flood", type=int, default=24)
-    ap.add_argument("--max-running", type=int, default=2)
     ap.add_argument("--policy", default="vtc")
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--own-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--idle", type=float, default=5.0, help="seconds measured without load")
-    ap.add_argument("--stacks", default="sglang,ours",
-                    help="sglang, ours, ours@REV, ours+process (--bridges process)")  # fmt: skip
+    ap.add_argument("--idle", type=float, default=idle, help="seconds measured without load")
+    ap.add_argument("--stacks", default=f"{peer},ours",
+                    help=f"{peer}, ours, ours@REV, ours+process (--bridges process)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the result here (under runs/)")
     ap.add_argument("--results", type=Path, default=None,
                     help="store it with date, commit and machine (apps/experiment/stored.py): "
-                    "a .json file, or a folder (side-by-side[-rRfF]-DATE.json)")  # fmt: skip
+                    f"a .json file, or a folder ({stored_as})")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    load_args(ap, duration=30.0, idle=5.0, peer="sglang",
+              stored_as="side-by-side[-rRfF]-DATE.json")  # fmt: skip
+    ap.add_argument("--max-running", type=int, default=2)
     args = ap.parse_args(argv)
     from sgl_fair.experiment import stored
 

@@ -244,6 +244,7 @@ STORED: dict[str, dict[str, str]] = {
     "side-by-side-r4f16-2026-11-29c.json": {"commit": "2ab9411", "machine": EPYC},
     "kv-decoder-2026-11-29-after.json": {"commit": "eae2e42", "machine": EPYC},
     "kv-decoder-2026-11-29b-after.json": {"commit": "7366c7c", "machine": EPYC},
+    "sglang-live-admission-2026-11-29b-after-churn.json": {"commit": "50944a7", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [

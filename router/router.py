@@ -24,7 +24,7 @@ from its worker does not re-insert its tokens: they may be among those evicted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sgl_fair.kv_decoder import Cleared, KVEventDecoder, Removed, Stored, TreeOp
@@ -32,6 +32,8 @@ from sgl_fair.kv_events import EventBatch
 from sgl_fair.kv_follow import OwnerFollower
 from sgl_fair.messages import Dispatch, Evicted, Finished, Load, Tokens
 from sgl_fair.policies.base import Rejection
+from sgl_fair.radix_node import Node
+from sgl_fair.radix_node import Tokens as KVTokens
 from sgl_fair.request import ClientId, Request
 from sgl_fair.router.global_tree import GlobalTree
 from sgl_fair.router.oit import ClusterOIT
@@ -358,11 +360,15 @@ class _WorkerFollower(OwnerFollower):
         self.t_s = 0.0
         self.any_stored = False
 
-    def stored(self, base, up, tokens, path):  # type: ignore[no-untyped-def,override]
+    def stored(
+        self, base: object | None, up: int, tokens: KVTokens, path: Callable[[], KVTokens]
+    ) -> Node:
         self.any_stored = True
         return super().stored(base, up, tokens, path)
 
-    def removed(self, base, up, path) -> None:  # type: ignore[no-untyped-def]
+    def removed(
+        self, base: object | None, up: int, path: Callable[[], tuple[KVTokens, int]]
+    ) -> None:
         self._router._mark_evicted(self._worker, self.t_s)
         stats = self._router._stats(self._worker)
         before = self.removed_tokens
@@ -383,10 +389,10 @@ class _Ignore:
     def __init__(self) -> None:
         self.num_ops = 0
 
-    def stored(self, base, up, tokens, path) -> None:  # type: ignore[no-untyped-def]
+    def stored(self, base: object, up: int, tokens: KVTokens, path: object) -> None:
         self.num_ops += 1
 
-    def removed(self, base, up, path) -> None:  # type: ignore[no-untyped-def]
+    def removed(self, base: object, up: int, path: object) -> None:
         self.num_ops += 1
 
     def cleared(self) -> None:

@@ -37,8 +37,8 @@ class OwnerFollower:
         self, base: object | None, up: int, tokens: Tokens, path: Callable[[], Tokens]
     ) -> Node:
         self.num_ops += 1
-        if base is not None:
-            done = self.tree.insert_below(base, up, tokens, owner=self.owner)  # type: ignore[arg-type]
+        if isinstance(base, Node):
+            done = self.tree.insert_below(base, up, tokens, owner=self.owner)
             if done is not None:
                 return done.node
         self.num_by_path += 1
@@ -48,8 +48,8 @@ class OwnerFollower:
         self.num_ops += 1
         self.num_removed += 1
         pruned = None
-        if base is not None:
-            pruned = self.tree.remove_owner_below(base, up, self.owner)  # type: ignore[arg-type]
+        if isinstance(base, Node):
+            pruned = self.tree.remove_owner_below(base, up, self.owner)
         if pruned is None:
             self.num_by_path += 1
             full, start = path()

@@ -27,6 +27,7 @@ SGLang; events naming a LoRA or a salt turn the shadow off).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -179,7 +180,7 @@ class _Follower(OwnerFollower):
         self._shadow = shadow
         self._page = shadow.page
 
-    def stored(self, base, up, tokens, path):  # type: ignore[no-untyped-def,override]
+    def stored(self, base: object | None, up: int, tokens: tuple, path: Callable[[], tuple]) -> Any:
         p = self._page
         if p == 1:
             return super().stored(base, up, tokens, path)
@@ -189,7 +190,7 @@ class _Follower(OwnerFollower):
         units = self._shadow._units
         return super().stored(base, up // p, units(tokens), lambda: units(path()))
 
-    def removed(self, base, up, path) -> None:  # type: ignore[no-untyped-def]
+    def removed(self, base: object | None, up: int, path: Callable[[], tuple[tuple, int]]) -> None:
         p = self._page
         if p == 1:
             return super().removed(base, up, path)
