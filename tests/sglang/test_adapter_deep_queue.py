@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from sglang_rig import Rig, make_req
 
+from sgl_fair.policies.base import Rejection
 from sgl_fair.worker.sglang import adapter, plugin
 from sgl_fair.worker.sglang import ledger as ledger_mod
 from sgl_fair.worker.sglang.settings import PluginSettings
@@ -139,3 +140,23 @@ def test_a_new_req_under_a_held_rid_is_held_beside_the_old_one_by_identity():
     assert len(ledger) == 1
     ledger.aborted(new)
     assert len(ledger) == 0 and ledger.mirrors_of([old, new]) == [None, None]
+
+
+def test_reconcile_says_when_the_queue_is_exactly_the_waiting_set():
+    """The pass reads the queue from the waiting set, with no per-request lookup, only when
+    the queue holds exactly the waiting mirrors' requests: not with a request the policy
+    refused still queued, a running one queued again unseen, or one request queued twice."""
+    rig, fair = fair_scheduler("fcfs")
+    ledger = fair.ledger
+    a, b, c = (make_req([1, 2, i], "c", rid=f"q{i}") for i in range(3))
+    for r in (a, b, c):
+        ledger.arrived(r)
+    assert ledger.reconcile_waiting([c, a, b])  # any order: the set decides
+    assert ledger.waiting.hosts() == [a, b, c]  # in arrival order, SGLang's own objects
+    assert not ledger.reconcile_waiting([a, b, c, c])  # twice
+    ledger.admitted(a, 3)
+    assert not ledger.reconcile_waiting([a, b, c])  # a runs, yet it is queued
+    assert ledger.reconcile_waiting([b, c])
+    stranger = make_req([9], "c", rid="s")
+    ledger.policy.on_arrival = lambda m, now: Rejection("full")  # refuses the next
+    assert not ledger.reconcile_waiting([b, c, stranger])  # refused, still queued

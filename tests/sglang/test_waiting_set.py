@@ -28,7 +28,7 @@ def test_kept_order_and_groups_equal_the_rebuild(ops):
             t += 0.001
             m = Request(rid=f"r{t}", client=client, input_ids=(1,), output_len=1, arrival_s=t)
             waiting[id(m)] = m
-            ws.add(m)
+            ws.add(m, ("host", m.rid))
         elif op in ("admit", "leave") and waiting:
             m = list(waiting.values())[pick % len(waiting)]
             del waiting[id(m)]
@@ -39,8 +39,9 @@ def test_kept_order_and_groups_equal_the_rebuild(ops):
             m = list(running.values())[pick % len(running)]
             del running[id(m)]
             waiting[id(m)] = m
-            ws.add(m)
+            ws.add(m, ("host", m.rid))
         ordered = sorted(waiting.values(), key=lambda m: (m.arrival_s, m.seq))
         assert ws.in_order() == ordered
+        assert ws.hosts() == [("host", m.rid) for m in ordered]  # each with its mirror
         assert ws.groups() == group_by_client(ordered)
         assert len(ws) == len(waiting)

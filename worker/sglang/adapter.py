@@ -205,21 +205,23 @@ class FairSchedulePolicy(SchedulePolicy):
     def _calc_priority(self, waiting_queue: list[Req], running_batch: Any) -> None:
         self._close_walk()
         ledger = self.ledger
-        ledger.reconcile_waiting(waiting_queue)
+        exact = ledger.reconcile_waiting(waiting_queue)
         if not waiting_queue:
             return
-        held = ledger.mirrors_of(waiting_queue)
         strangers: list[Req] = []
-        if None in held:  # requests the ledger does not hold (its policy refused them after
-            # SGLang queued them): never ordered, they wait behind the rest, in SGLang's order
-            strangers = [r for r, m in zip(waiting_queue, held, strict=True) if m is None]
-            held = [m for m in held if m is not None]
         groups = None
-        if len(ledger.waiting) == len(held):  # the queue's mirrors are the waiting ones: kept
-            mirrors = ledger.waiting.in_order()  # in order already (waiting_set.py)
+        reqs: list[Req] | None = None
+        if exact:  # the queue is the waiting set: its order kept, no lookup per request
+            mirrors = ledger.waiting.in_order()  # (waiting_set.py)
             groups = ledger.waiting.groups
-        else:  # a mirror in the queue that is not waiting: SGLang moved one unseen
-            mirrors = sorted(held, key=_arrival)
+            reqs = ledger.waiting.hosts()  # type: ignore[assignment]
+        else:
+            held = ledger.mirrors_of(waiting_queue)
+            if None in held:  # requests the ledger does not hold (its policy refused them
+                # after SGLang queued them): never ordered, they wait behind the rest
+                strangers = [r for r, m in zip(waiting_queue, held, strict=True) if m is None]
+                held = [m for m in held if m is not None]
+            mirrors = sorted(held, key=_arrival)  # a queued mirror not waiting: moved unseen
         running = [
             m
             for r in (running_batch.reqs if running_batch is not None else ())
@@ -234,8 +236,9 @@ class FairSchedulePolicy(SchedulePolicy):
         self._walk = self.fair.order(mirrors, _View(self, running, groups))
         self.num_walks += 1
         # Until the walk picks them, the rest wait in arrival order.
-        waiting_queue[:] = [*map(ledger.reqs_by_mirror_id.__getitem__, map(id, mirrors)),
-                            *strangers]  # fmt: skip
+        if reqs is None:
+            reqs = [*map(ledger.reqs_by_mirror_id.__getitem__, map(id, mirrors)), *strangers]
+        waiting_queue[:] = reqs
         self._pos = 0
         self._expect = None
         self._place_next(0)

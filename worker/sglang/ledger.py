@@ -101,7 +101,7 @@ class Ledger:
             return rejection
         self._by_id[id(req)] = m
         self._req_of[id(m)] = req
-        self.waiting.add(m)
+        self.waiting.add(m, req)
         if tag is not None:
             self.service.received(id(req), tag[0], m.client, tag[1], interaction=m.interaction_id)
         return None
@@ -169,15 +169,17 @@ class Ledger:
             return
         self.sync_tokens(req)
         m.phase = Phase.WAITING
-        self.waiting.add(m)
+        self.waiting.add(m, req)
         m.num_retractions += 1
         self.policy.on_retracted(m)
 
-    def reconcile_waiting(self, waiting_queue: Sequence[Req]) -> None:
+    def reconcile_waiting(self, waiting_queue: Sequence[Req]) -> bool:
         """Requests that left the queue without being admitted (aborted, timed out, pushed out
         by the queue limit) leave the policy too; queued requests it never saw arrive now.
         Set operations over identities (in C): a pass pays per request that changed, not
-        per request queued."""
+        per request queued. True when, after it, the queue holds exactly the waiting mirrors'
+        requests (every queued one held and waiting, none missing): ``waiting`` is then the
+        queue, in arrival order, with no per-request lookup."""
         self.dirty = False
         by_id = self._by_id
         queued = set(map(id, waiting_queue))
@@ -191,6 +193,11 @@ class Ledger:
             for r in waiting_queue:
                 if id(r) not in by_id:
                     self.arrived(r)  # a refusal here is ignored: SGLang already queued it
+            if not queued <= by_id.keys():
+                return False  # refused ones stay queued: strangers
+        # Every WAITING mirror is queued now (the rest were aborted above), so equal sizes
+        # mean no queued request is a mirror in another phase, and no duplicate.
+        return len(self.waiting) == len(waiting_queue) == len(queued)
 
     def _pop(self, req: Req) -> Request | None:
         m = self._by_id.pop(id(req), None)

@@ -21,8 +21,12 @@ _seq = attrgetter("seq")
 
 
 class WaitingSet:
+    """Each mirror may carry its host's object (the plugin: SGLang's ``Req``), kept in the
+    same order, so a pass reads the host's queue in arrival order in C too (``hosts``)."""
+
     def __init__(self) -> None:
         self._all: dict[int, Request] = {}  # id(mirror) -> mirror, in arrival order
+        self._host: dict[int, object] = {}  # id(mirror) -> its host object, the same order
         self._by_client: dict[ClientId, dict[int, Request]] = {}
         self._last = -1  # the largest seq added
         self._ordered = True
@@ -30,11 +34,12 @@ class WaitingSet:
     def __len__(self) -> int:
         return len(self._all)
 
-    def add(self, m: Request) -> None:
+    def add(self, m: Request, host: object = None) -> None:
         key = id(m)
         if key in self._all:
             return
         self._all[key] = m
+        self._host[key] = host
         group = self._by_client.get(m.client)
         if group is None:
             self._by_client[m.client] = {key: m}
@@ -49,6 +54,7 @@ class WaitingSet:
         key = id(m)
         if self._all.pop(key, None) is None:
             return
+        del self._host[key]
         group = self._by_client[m.client]
         del group[key]
         if not group:
@@ -59,6 +65,8 @@ class WaitingSet:
             return
         ordered = sorted(self._all.values(), key=_seq)
         self._all = {id(m): m for m in ordered}
+        host = self._host
+        self._host = {id(m): host[id(m)] for m in ordered}
         self._by_client = {}
         for m in ordered:
             self._by_client.setdefault(m.client, {})[id(m)] = m
@@ -68,6 +76,11 @@ class WaitingSet:
         """Every waiting mirror, earliest arrival first."""
         self._sort()
         return list(self._all.values())
+
+    def hosts(self) -> list[object]:
+        """Every waiting mirror's host object, in ``in_order()``'s order."""
+        self._sort()
+        return list(self._host.values())
 
     def groups(self) -> dict[ClientId, list[Request]]:
         """``group_by_client(in_order())``, from the groups kept."""
