@@ -250,6 +250,7 @@ STORED: dict[str, dict[str, str]] = {
         "commit": "aa7b76a",
         "machine": EPYC,
     },
+    "sglang-live-admission-2026-11-29d-after-churn.json": {"commit": "6e3603b", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [
