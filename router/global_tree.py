@@ -76,12 +76,7 @@ class GlobalTree:
 
     def remove_worker(self, worker: int) -> int:
         """Drop ``worker`` from every node, pruning nodes nobody holds; returns tokens pruned."""
-        root = self._tree.root
-        num_pruned = 0
-        for child in list(root.children.values()):
-            if worker in child.owners:  # downward-closed: no owner below means none deeper
-                num_pruned += self._tree.remove_owner(child.key[:1], worker)
-        return num_pruned
+        return self._tree.remove_owner_everywhere(worker)
 
     def trim(self, max_tokens: int) -> int:
         """Evict least recently used leaves until ``total_tokens <= max_tokens``; returns freed.

@@ -59,10 +59,7 @@ class OwnerFollower:
     def cleared(self) -> None:
         """The owner's claims go everywhere (other owners' stay: the tree may be shared)."""
         self.num_ops += 1
-        tree = self.tree
-        for child in list(tree.root.children.values()):
-            if self.owner in child.owners:  # downward-closed: none below if not here
-                self.removed_tokens += tree.remove_owner(child.key[:1], self.owner)
+        self.removed_tokens += self.tree.remove_owner_everywhere(self.owner)
 
 
 __all__ = ["OwnerFollower"]

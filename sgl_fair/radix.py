@@ -349,6 +349,14 @@ class RadixTree:
             self._remove_leaf(node)
         return num_freed
 
+    def remove_owner_everywhere(self, owner: Hashable) -> int:
+        """``remove_owner`` below every child of the root; returns the tokens pruned."""
+        pruned = 0
+        for child in list(self.root.children.values()):
+            if owner in child.owners:  # downward-closed: no owner below means none deeper
+                pruned += self.remove_owner(child.key[:1], owner)
+        return pruned
+
     def remove_owner(self, tokens: Sequence[int], owner: Hashable, *, from_len: int = 0) -> int:
         """Drop ``owner`` from every node covering ``tokens[from_len:]`` and below.
 
