@@ -89,6 +89,7 @@ class Router:
         self.queues_from_loads = queues_from_loads
         self.now = 0.0
         self.inflight: dict[str, tuple[int, ClientId]] = {}  # rid -> (worker, client)
+        self.client_inflight: dict[ClientId, int] = {}  # client -> its calls in self.inflight
         self.stats: dict[int, WorkerStats] = {u: WorkerStats() for u in range(num_workers)}
         self._queue_len: dict[int, int] = dict.fromkeys(range(num_workers), 0)
         self._workers: tuple[int, ...] = tuple(range(num_workers))
@@ -152,6 +153,9 @@ class Router:
         self.policy.on_dispatched(req, worker, match, self)
         self._queue_len[worker] += 1
         self.inflight[req.rid] = (worker, req.client)
+        n = self.client_inflight.get(req.client, 0) + 1
+        self.client_inflight[req.client] = n
+        req.cluster_inflight = n  # the worker's share guard compares clients by it
         self.stats[worker].num_dispatched += 1
         self._bound_tree()
         return Dispatch(worker, req, now)
@@ -181,6 +185,7 @@ class Router:
             stats.num_stale += 1  # its worker was removed (the rid was re-dispatched)
             return
         del self.inflight[msg.rid]
+        self._left(entry[1])
         self._queue_len[msg.worker] -= 1
         stats.num_finished += 1
         if not msg.ok:
@@ -302,8 +307,16 @@ class Router:
         self.policy.on_worker_removed(worker)
         lost = [rid for rid, (u, _) in self.inflight.items() if u == worker]
         for rid in lost:
-            del self.inflight[rid]
+            self._left(self.inflight.pop(rid)[1])
         return lost
+
+    def _left(self, client: ClientId) -> None:
+        """One of ``client``'s calls is no longer in flight."""
+        n = self.client_inflight.get(client, 0) - 1
+        if n > 0:
+            self.client_inflight[client] = n
+        else:
+            self.client_inflight.pop(client, None)
 
     def add_worker(self, worker: int) -> None:
         """(Re)join ``worker`` with an empty queue; a no-op if it is alive already."""
@@ -346,6 +359,10 @@ class Router:
             assert u in alive, f"request {rid!r} in flight on dead worker {u}"
             counts[u] += 1
         assert counts == self._queue_len, f"queue_len {self._queue_len} != in flight {counts}"
+        per_client: dict[ClientId, int] = {}
+        for _, c in self.inflight.values():
+            per_client[c] = per_client.get(c, 0) + 1
+        assert per_client == self.client_inflight, "client_inflight out of date"
         if self.max_tree_tokens is not None:
             assert self.tree.total_tokens <= self.max_tree_tokens, "tree above max_tree_tokens"
 

@@ -26,7 +26,7 @@ import msgspec
 
 from sgl_fair.request import Request
 
-PROTOCOL_VERSION = 3  # 3: a replica's tag rides in Dispatch.tag (no frame before it)
+PROTOCOL_VERSION = 4  # 4: Request.cluster_inflight; 3: a replica's tag rides in Dispatch.tag
 
 Tokens_ = tuple[int, ...]
 

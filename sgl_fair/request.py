@@ -126,6 +126,21 @@ def tag_pair(value: Any) -> tuple[int, int] | None:
     return replica, charge
 
 
+# Where ``Request.cluster_inflight`` rides to an SGLang server: what our bridge writes and
+# our plugin reads back (``inflight_count``), so the share guard inside SGLang compares
+# clients by their load over the cluster, as in our own engine.
+INFLIGHT_PARAM = "sgl_fair_inflight"
+MAX_INFLIGHT = 10_000_000  # a larger count is not one our router sends: ignored
+
+
+def inflight_count(value: Any) -> int | None:
+    """``INFLIGHT_PARAM``'s value as a count of calls (1 .. ``MAX_INFLIGHT``), or None (never
+    raises: the plugin runs inside SGLang's scheduler)."""
+    if type(value) is not int or not 1 <= value <= MAX_INFLIGHT:
+        return None
+    return value
+
+
 _seq = itertools.count()
 
 
@@ -155,6 +170,10 @@ class Request:
     # interaction, on any worker), so a worker's own OIT, which sees only the calls routed to
     # it, must not refuse it (it would cut an interaction whose other calls run elsewhere).
     oit_checked: bool = False
+    # Set by the router at dispatch: this client's calls in flight over the whole cluster,
+    # this one included (None: no router dispatched it). A worker sees only its own share of
+    # a client's load; the share guard compares clients by this count (``worker/share_guard.py``).
+    cluster_inflight: int | None = None
     # Workload provenance: the prompt starts with `group_prefix_len` tokens shared by every
     # request of `prefix_group` (what a trace line says; the scheduler never reads it).
     prefix_group: str | None = None

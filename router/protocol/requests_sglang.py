@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_fair.request import SLO_PARAM
+from sgl_fair.request import INFLIGHT_PARAM, SLO_PARAM
 from sgl_fair.router.protocol.errors import ProtocolError
 from sgl_fair.router.protocol.fields import (
     FieldTable,
@@ -80,8 +80,14 @@ _NATIVE_SAMPLING: FieldTable = {
 
 def _take_slo(v: Any, path: str) -> tuple[Any, tuple[float, float] | None]:
     """``sampling_params`` without our SLO key in ``custom_params`` (``SLO_PARAM``: what an
-    sgl-fair bridge in front of this server sends, as it does to SGLang), and the SLOs."""
+    sgl-fair bridge in front of this server sends, as it does to SGLang), and the SLOs; a
+    bridge's ``INFLIGHT_PARAM`` is dropped (this server's router counts its own calls)."""
     params = v.get("custom_params") if isinstance(v, dict) else None
+    if isinstance(params, dict) and INFLIGHT_PARAM in params:  # a bridge's count: this
+        params = {k: x for k, x in params.items() if k != INFLIGHT_PARAM}  # router counts its own
+        v = {k: x for k, x in v.items() if k != "custom_params"}
+        if params:
+            v["custom_params"] = params
     if not isinstance(params, dict) or SLO_PARAM not in params:
         return v, None
     where = f"{path}.custom_params.{SLO_PARAM}"

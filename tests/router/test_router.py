@@ -37,6 +37,27 @@ def test_dispatch_records_the_request_everywhere():
     r.check_invariants()
 
 
+def test_each_dispatch_carries_the_clients_calls_in_flight_over_the_cluster():
+    """A worker sees only its share of a client's calls; the router counts them all and
+    sends the count with each (``Request.cluster_inflight``, for the share guard)."""
+    r = router(num_workers=2)
+    a = [make_req((1, 2, i), "a") for i in range(3)]
+    sent = [r.dispatch(q, 0.0) for q in a]
+    assert [d.req.cluster_inflight for d in sent] == [1, 2, 3]
+    assert {d.worker for d in sent} == {0, 1}  # over both workers
+    assert r.dispatch(make_req((9,), "b"), 0.0).req.cluster_inflight == 1
+    r.handle(finished(sent[0].worker, a[0], (5,)), 1.0)
+    assert r.dispatch(make_req((1, 2, 9), "a"), 1.0).req.cluster_inflight == 3
+    r.remove_worker(1)  # its calls are no longer in flight (they come back as new dispatches)
+    left = [c for u, c in r.inflight.values()]
+    assert sorted(left) == sorted(c for c, n in r.client_inflight.items() for _ in range(n))
+    assert sum(r.client_inflight.values()) == len(r.inflight) < 5
+    r.check_invariants()
+    r.client_inflight["a"] = 99
+    with pytest.raises(AssertionError, match="client_inflight"):
+        r.check_invariants()
+
+
 def test_dispatch_without_workers_or_twice_raises():
     r = router(num_workers=1)
     req = make_req(PROMPT)

@@ -447,6 +447,35 @@ def test_an_rt_requests_slos_come_from_custom_params():
     assert [r.rid for r in rig.admit()] == ["tight", "loose"]
 
 
+def test_the_routers_count_of_calls_in_flight_reaches_the_mirror():
+    """``Request.cluster_inflight`` through the bridge's body and SGLang's own
+    ``SamplingParams`` to the ledger's mirror; a value our router never sends is ignored."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_fair.request import INFLIGHT_PARAM, Request
+    from sgl_fair.worker.sglang.http_api import generate_body
+    from sgl_fair.worker.sglang.mirror import mirror_of
+
+    def sent(inflight=None, params=None):
+        call = Request(rid="x", client="u", input_ids=(7, 8, 9), output_len=4, arrival_s=0.0,
+                       cluster_inflight=inflight, sampling=params)  # fmt: skip
+        body = generate_body(call, inflight=True)
+        r = make_req(body["input_ids"], body["routing_key"], rid="x")
+        r.sampling_params = SamplingParams(**body["sampling_params"])
+        return r
+
+    assert mirror_of(sent(24), 0.0).cluster_inflight == 24
+    assert mirror_of(sent(), 0.0).cluster_inflight is None
+    for bad in (0, -1, "3", 2.0, 10**9, True):  # a client's own value never gets through...
+        assert (
+            mirror_of(sent(None, {"custom_params": {INFLIGHT_PARAM: bad}}), 0.0).cluster_inflight
+            is None
+        )
+        r = make_req([7, 8, 9], "u", rid="g")  # ...and one sent to SGLang directly is ignored
+        r.sampling_params = SamplingParams(max_new_tokens=4, custom_params={INFLIGHT_PARAM: bad})
+        assert mirror_of(r, 0.0).cluster_inflight is None
+
+
 def test_a_fairserve_calls_interaction_reaches_the_plugin_through_the_bridge():
     """Before, ``interaction_id`` and ``app`` never reached SGLang: FairServe inside the
     plugin took every call as the start of its own interaction, and refused the second call

@@ -37,7 +37,7 @@ from live_helpers import (  # noqa: E402
 )
 
 from sgl_fair.messages import FinishReason  # noqa: E402
-from sgl_fair.request import Request  # noqa: E402
+from sgl_fair.request import INFLIGHT_PARAM, Request  # noqa: E402
 from sgl_fair.worker.sglang.http_api import (  # noqa: E402
     DEFAULT_RETRY_AFTER_S,
     SSEParser,
@@ -382,7 +382,8 @@ def test_client_id_travels_as_routing_key_with_the_sampling_params(rig):
     ]
     assert sent["routing_key"] == "alice" and "extra_key" not in sent
     want = {k: v for k, v in sampling.items() if k != "stop"}  # stop strings: the router's job
-    assert sent["sampling_params"] == want
+    # and the router's count of alice's calls in flight, for the plugin's share guard
+    assert sent["sampling_params"] == {**want, "custom_params": {INFLIGHT_PARAM: 1}}
     metrics = httpx.get(rig.standin.url + "/metrics", timeout=10).text
     assert metric(metrics, "sgl_fair_tenant_requests_total", tenant="alice") >= 1
 
@@ -564,8 +565,9 @@ def test_bros_sends_the_class_as_sglang_priority_end_to_end(tmp_path):
             assert r.status_code == 200, r.text
         rt_body, be_body = proxy.bodies("/generate")  # in order: rt-1, be-1
         assert (rt_body.get("priority"), be_body.get("priority")) == (100, 0)  # not the 500
-        slos = [b["sampling_params"].get("custom_params") for b in (rt_body, be_body)]
-        assert slos == [{"sgl_fair_slo_s": [0.3, 0.2]}, None]
+        params = [b["sampling_params"].get("custom_params") for b in (rt_body, be_body)]
+        slos = [{k: v for k, v in p.items() if k != INFLIGHT_PARAM} for p in params]
+        assert slos == [{"sgl_fair_slo_s": [0.3, 0.2]}, {}]
         text = httpx.get(sin.url + "/metrics", timeout=10).text
         name = "sgl_fair_requests_by_class_total"
         assert metric(text, name, priority_class="rt") == 1

@@ -12,15 +12,16 @@ import time
 from sglang_standin import BridgeRig, StandInSGLang
 
 from sgl_fair.messages import Dispatch, Load, ServiceReport
-from sgl_fair.request import TAG_PARAM, Request
+from sgl_fair.request import INFLIGHT_PARAM, TAG_PARAM, Request
 
 SERVICE = {"boot": 11, "rows": [[7, "alice", 140, 7, 1], [9, "bob", 30, 5, 2]], "full": True,
            "requests": [[7, 1]], "num_requests": 3, "interactions": []}  # fmt: skip
 
 
-def _dispatch(rig, rid, tag, sampling=None):
+def _dispatch(rig, rid, tag, sampling=None, inflight=None):
     req = Request(rid=rid, client="alice", input_ids=(5, 6, 7), output_len=2,
-                  arrival_s=time.time(), max_new_tokens=2, sampling=sampling)  # fmt: skip
+                  arrival_s=time.time(), max_new_tokens=2, sampling=sampling,
+                  cluster_inflight=inflight)  # fmt: skip
     rig.send(Dispatch(0, req, time.time(), tag=tag))
 
 
@@ -35,6 +36,28 @@ def test_the_dispatch_tag_reaches_the_server_and_a_clients_own_never_does(tmp_pa
         assert {TAG_PARAM: [5, 64], "mine": 3} in sent
         assert {"mine": 3} in sent  # untagged: the client's forged tag is taken out
         assert len(sent) == 2
+
+
+def test_the_routers_count_of_calls_in_flight_reaches_the_server(tmp_path):
+    """``Request.cluster_inflight`` (the share guard's measure) rides in ``custom_params``
+    through a real bridge to a server that runs our plugin; a client's own value of that key
+    never reaches the server, nor the count a server without the plugin."""
+    plugin = {"sgl_fair": {"policy": "vtc"}}
+    with StandInSGLang(info=plugin) as server, BridgeRig(str(tmp_path), server.url) as rig:
+        assert rig.hello() is not None
+        forged = {"custom_params": {INFLIGHT_PARAM: 1, "mine": 3}}
+        _dispatch(rig, "counted", (5, 64), sampling=forged, inflight=24)
+        _dispatch(rig, "plain", None, sampling=forged)
+        assert set(rig.finished({"counted", "plain"})) == {"counted", "plain"}
+        sent = [b["sampling_params"].get("custom_params") for _a, b in server.calls("/generate")]
+        assert {TAG_PARAM: [5, 64], INFLIGHT_PARAM: 24, "mine": 3} in sent
+        assert {"mine": 3} in sent
+    with StandInSGLang() as server, BridgeRig(str(tmp_path / "plain"), server.url) as rig:
+        assert rig.hello() is not None
+        _dispatch(rig, "counted", None, sampling=forged, inflight=24)
+        assert set(rig.finished({"counted"})) == {"counted"}
+        sent = [b["sampling_params"].get("custom_params") for _a, b in server.calls("/generate")]
+        assert sent == [{"mine": 3}]
 
 
 def test_a_replicas_bridge_sends_the_plugins_ledger_with_its_load(tmp_path):

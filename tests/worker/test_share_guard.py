@@ -158,3 +158,47 @@ def test_launcher_turns_the_guard_on_for_fair_policies_only() -> None:
                   "lcf": False, "rpm": False}  # fmt: skip
     assert not share_guard_on(parse_config(["--schedule-policy", "vtc", "--share-guard", "off"]))
     assert share_guard_on(parse_config(["--schedule-policy", "fcfs", "--share-guard", "on"]))
+
+
+def _served_more_here(cluster: tuple[int, int] | None) -> tuple[Request, Scheduler]:
+    """A has been served far more than B *here* (its VTC counter ahead), and A's 1,500-token
+    prompt needs room from B's running flood; ``cluster``: (A's, B's) calls in flight over the
+    cluster as the router counted them at dispatch (None: no router sent them)."""
+    b = [Request(f"b{i}", "B", unique_tokens(2000), 400, 0.0) for i in range(40)]
+    a = Request("a", "A", unique_tokens(1500), 16, 3.0)
+    if cluster is not None:
+        a.cluster_inflight = cluster[0]
+        for i, r in enumerate(b):
+            r.cluster_inflight = cluster[1] + i  # the latest request carries the count used
+    sched = scheduler("vtc", guard=True)
+    sched.policy.counters["A"] = 1e9  # what A received from this worker before
+    drive(sched, SimEngine(COST), [*b, a])
+    assert_finished_exactly([*b, a])
+    return a, sched
+
+
+def test_the_clusters_counts_decide_who_is_owed_room() -> None:
+    """A worker's counters see its own share of a client only: A, served more here but with
+    one call in flight over the cluster against B's 24+, takes room from B's flood; with
+    the counts the other way round, or without counts (the counter decides), it does not."""
+    a, sched = _served_more_here((1, 24))
+    assert sched.stats.num_share_retractions >= 1 and ttft(a) < 0.2, a
+    for cluster in ((64, 24), None):
+        a, sched = _served_more_here(cluster)
+        assert sched.stats.num_share_retractions == 0 and ttft(a) > 1.0, (cluster, a)
+
+
+def test_owed_room_reads_the_latest_count_per_weight() -> None:
+    from sgl_fair.worker.share_guard import latest_inflight, owed_room
+
+    old, new = Request("o", "B", (1,), 1, 0.0), Request("n", "B", (1,), 1, 1.0)
+    old.cluster_inflight, new.cluster_inflight = 30, 3
+    assert latest_inflight([new, old]) == 3  # the router's latest count, not the largest
+    assert latest_inflight([Request("x", "B", (1,), 1, 0.0)]) is None
+    one = {"A": 1.0, "B": 1.0}.__getitem__
+    assert owed_room("A", 2, "B", 3, None, one)
+    assert not owed_room("A", 3, "B", 3, None, one)  # level: the order stands (no ping-pong)
+    assert not owed_room("A", 2, "B", 3, None, {"A": 1.0, "B": 4.0}.__getitem__)  # per weight
+    served = {"A": 5.0, "B": 1.0}.__getitem__
+    assert not owed_room("A", None, "B", 3, served, one)  # a count missing: the policy's measure
+    assert owed_room("A", None, "B", None, None, one)  # neither: the shares alone decide

@@ -85,3 +85,29 @@ def test_finished_requests_and_strangers_hold_nothing():
     assert g.mark(Req("victim"), [done, Req("flood")]) is None  # the flood holds one slot
     assert SharePreemption(lambda r: None, threshold=0, low_priority_first=False, slots=2,
                            kv_capacity=1).mark(Req("x"), [Req("y"), Req("y")]) is None  # fmt: skip
+
+
+def test_the_routers_counts_decide_over_the_policys_local_measure():
+    """Side by side with SGLang's stack the victim waited for a flood request in about half
+    its calls: on its server it held one slot and the flood one, their VTC counters level, and
+    the victim ahead by a request's charge as often as not. Over the cluster the flood has 24
+    calls in flight to the victim's one: the router's counts (``cluster_inflight``, on the
+    ledger's mirrors) decide where both are known."""
+    from sgl_fair.request import Request
+
+    mirrors: dict[int, Request] = {}
+
+    def mirrored(r: Req, inflight: int | None, at: float) -> Req:
+        m = Request(f"m{id(r)}", r.client, (1,), 1, at)
+        m.cluster_inflight = inflight
+        mirrors[id(r)] = m
+        return r
+
+    served = {"victim": 900.0, "flood": 800.0}  # the victim served more *here*
+    run = [mirrored(Req("flood", out=9), 30, 0.0), mirrored(Req("flood", out=1), 24, 1.0)]
+    g = guard(service_received=served.__getitem__, mirror=lambda r: mirrors.get(id(r)))
+    assert g.mark(mirrored(Req("victim"), 1, 2.0), run) is run[1]
+    assert g.mark(mirrored(Req("victim"), 24, 2.0), run) is None  # level with the flood's latest
+    assert g.mark(mirrored(Req("victim"), None, 2.0), run) is None  # no count: the counter says no
+    served["victim"] = 700.0
+    assert g.mark(mirrored(Req("victim"), None, 2.0), run) is not None

@@ -404,6 +404,7 @@ class Bridge:
             class_priority=self.cfg.class_priority,
             low_priority_first=self.info.low_priority_first,  # the server's own direction
             tag=job.tag,
+            inflight=self.info.plugin is not None,
         )
         stream, rid, tokens = job.stream, req.rid, self.tokens
 

@@ -26,6 +26,7 @@ import msgspec
 from sgl_fair.messages import FinishReason, ServiceReport
 from sgl_fair.request import (
     CALL_PARAM,
+    INFLIGHT_PARAM,
     SLO_PARAM,
     TAG_PARAM,
     Request,
@@ -186,6 +187,7 @@ def generate_body(
     class_priority: bool = False,
     low_priority_first: bool = False,
     tag: tuple[int, int] | None = None,
+    inflight: bool = False,
 ) -> dict[str, Any]:
     """The streaming ``/generate`` body for ``req`` (SGLang's native API), sent as ``rid``
     (the bridge's own unique rid per call; default the request's). The client's
@@ -194,15 +196,19 @@ def generate_body(
     the bridge itself sets (prompt, streaming, rid, logprobs; ``class_priority``: the
     request's RT/BE class as SGLang's ``priority`` in the server's direction,
     ``low_priority_first``, and an RT request's SLOs in ``custom_params``) win; ``tag``: a
-    router replica's ``(replica, charge)`` for the plugin's service ledger (``TAG_PARAM``;
-    a client's own value of that key never reaches the server)."""
+    router replica's ``(replica, charge)`` for the plugin's service ledger (``TAG_PARAM``);
+    ``inflight``: the server runs our plugin, so send the router's count of the client's
+    calls in flight for its share guard (``INFLIGHT_PARAM``). A client's own value of either
+    key never reaches the server."""
     sampling = dict(req.sampling or {})
     params = sampling.get("custom_params")
-    if isinstance(params, dict) and (tag is not None or TAG_PARAM in params):
-        params = {k: v for k, v in params.items() if k != TAG_PARAM}
+    if isinstance(params, dict) and (TAG_PARAM in params or INFLIGHT_PARAM in params):
+        params = {k: v for k, v in params.items() if k not in (TAG_PARAM, INFLIGHT_PARAM)}
         sampling["custom_params"] = params
     if tag is not None:
-        sampling["custom_params"] = {**(params or {}), TAG_PARAM: list(tag)}
+        params = sampling["custom_params"] = {**(params or {}), TAG_PARAM: list(tag)}
+    if inflight and req.cluster_inflight is not None:  # for the plugin's share guard
+        sampling["custom_params"] = {**(params or {}), INFLIGHT_PARAM: req.cluster_inflight}
     sampling["max_new_tokens"] = req.max_new_tokens
     body: dict[str, Any] = {
         "input_ids": list(req.input_ids),

@@ -1,7 +1,7 @@
 """SGLang's ``Req`` as our policies see it: the ``Request`` mirror of one of SGLang's
 requests, as our bridge sent it (client in ``routing_key``; RT/BE class in ``priority``; an
-RT request's SLOs, a FairServe call's interaction and a router replica's dispatch tag in
-``sampling_params.custom_params``).
+RT request's SLOs, a FairServe call's interaction, a router replica's dispatch tag and the
+router's count of the client's calls in flight in ``sampling_params.custom_params``).
 Never raises on what a request carries: the plugin runs inside SGLang's scheduler."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from typing import Any
 from sgl_fair.request import (
     CALL_PARAM,
     DEFAULT_CLIENT,
+    INFLIGHT_PARAM,
     SLO_PARAM,
     TAG_PARAM,
     Request,
     ServiceClass,
     apply_call_params,
+    inflight_count,
     slo_pair,
     tag_pair,
 )
@@ -49,8 +51,10 @@ def mirror_of(req: Req, now: float, low_priority_first: bool = False) -> Request
     if slos is not None:
         m.ttft_slo_s, m.tpot_slo_s = slos
     params = getattr(req.sampling_params, "custom_params", None)
-    if isinstance(params, dict) and CALL_PARAM in params:  # a FairServe call's interaction
-        apply_call_params(m, params[CALL_PARAM])
+    if isinstance(params, dict):
+        if CALL_PARAM in params:  # a FairServe call's interaction
+            apply_call_params(m, params[CALL_PARAM])
+        m.cluster_inflight = inflight_count(params.get(INFLIGHT_PARAM))  # the router's count
     return m
 
 

@@ -153,6 +153,7 @@ def share_preemption(scheduler: Any, fair: Any) -> Any:
         kv_capacity=int(getattr(scheduler, "max_total_num_tokens", 0) or 1),
         weights=caps.weights,
         service_received=caps.service_received,
+        mirror=mirror,
     )
 
 

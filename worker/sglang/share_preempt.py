@@ -23,8 +23,11 @@ The rule is ``share_guard``'s, on SGLang's numbers. A client's share is its domi
 the running batch's slots (``max_running_requests``) and KV tokens (``max_total_num_tokens``;
 a request holds its prompt and output), divided by its weight. ``req``'s client c may take a
 slot from the client k with the largest share when k keeps at least c's share after the move
-(so the move never reverses the order it corrects), and, for a policy with a service measure
-(DLPM, FairServe), c has not received more service than k. The victim inside k is SGLang's:
+(so the move never reverses the order it corrects), and c is owed the room
+(``share_guard.owed_room``): c has fewer calls in flight over the cluster than k, by the
+router's counts our bridge sends (``INFLIGHT_PARAM``); for requests without them (not sent by
+our router), c has not received more service than k on the policy's measure (VTC's counter,
+DLPM's, FairServe's). The victim inside k is SGLang's:
 fewest output tokens, then longest prompt. SGLang still checks that freeing it makes room
 (else nothing is preempted). The ledger counts a preempted request as retracted
 (``Ledger.arrived``): its prompt is not charged again when it is admitted again, its output
@@ -36,8 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sgl_fair.request import ClientId
-from sgl_fair.worker.share_guard import dominant_share
+from sgl_fair.request import ClientId, Request
+from sgl_fair.worker.share_guard import dominant_share, latest_inflight, owed_room
 
 
 class SharePreemption:
@@ -51,8 +54,10 @@ class SharePreemption:
         kv_capacity: int,
         weights: Mapping[ClientId, float] | None = None,
         service_received: Callable[[ClientId], float] | None = None,
+        mirror: Callable[[Any], Request | None] | None = None,
     ) -> None:
         self.client_of = client_of  # the ledger's client of a SGLang Req (None: not ours)
+        self.mirror = mirror  # the ledger's mirror of a SGLang Req (its cluster_inflight)
         self.threshold = max(int(threshold), 0)
         # The victim's priority, relative to the others' 0: worse by T + 1 in the server's
         # direction (smaller values first with --schedule-low-priority-values-first).
@@ -97,9 +102,14 @@ class SharePreemption:
         after_c = self._share(count.get(c, 0) + 1, kv.get(c, 0) + _held(req), c)
         if after_k < after_c:
             return None  # c would then hold more than k: not a correction
-        service = self.service_received
-        if service is not None and service(c) > service(k):
-            return None  # the policy itself puts c ahead of k already
+        mine = theirs = None
+        if self.mirror is not None:
+            m = self.mirror(req)
+            mine = None if m is None else m.cluster_inflight
+            theirs = latest_inflight(m for r in pool[k] if (m := self.mirror(r)) is not None)
+        weight = self.weights.get
+        if not owed_room(c, mine, k, theirs, self.service_received, lambda x: weight(x, 1.0)):
+            return None  # c is the heavier client over the cluster, or has been served more
         for r in (req, *running):
             self._saved.append((r, r.priority))
             r.priority = 0
