@@ -230,13 +230,18 @@ async def until_queued(http: httpx.AsyncClient, url: str, n: int, timeout_s: flo
     await until_loads(http, url, "num_waiting_reqs", n, timeout_s)
 
 
-async def generate(http: httpx.AsyncClient, url: str, client: str, n_out: int, tag: object):
-    """One ``/generate`` of ``n_out`` tokens for ``client`` (its ``routing_key``); returns
-    ``(client, when it ended, the response)``."""
+async def generate(
+    http: httpx.AsyncClient, url: str, client: str, n_out: int, tag: object, params=None
+):
+    """One ``/generate`` of ``n_out`` tokens for ``client`` (its ``routing_key``;
+    ``params``: its ``custom_params``, as our bridge sends them); returns ``(client, when it
+    ended, the response)``."""
     body = {
         "text": f"Once upon a time {client} {tag}",
         "sampling_params": {"max_new_tokens": n_out, "ignore_eos": True, "temperature": 0},
         "routing_key": client,
     }
+    if params is not None:
+        body["sampling_params"]["custom_params"] = params
     r = await http.post(url + "/generate", json=body, timeout=300)
     return client, time.monotonic(), r

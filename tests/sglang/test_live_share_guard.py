@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.sglang_server, pytest.mark.slow]
 
 ARGS = ("--max-running-requests", "2", "--chunked-prefill-size", "512")
 FLOOD_TOKENS = 300
+SOLO_TOKENS = 200  # the victim's request before the flood's
 
 
 def _server(tiny_model, tmp_path, args):
@@ -89,3 +90,52 @@ def test_without_priority_scheduling_the_guard_is_off(tiny_model, tmp_path):
         victim, flood, info = asyncio.run(_flood_then_victim(server.url))
     assert _plugin_report(info)["share_preemptions_marked"] is None
     assert victim[1] > min(t for _, t, _ in flood)
+
+
+async def _served_more_then_flood(url, victim, flood, counts):
+    """``victim`` is served a long request alone; then ``flood``'s two long requests hold
+    both slots with two more queued, and ``victim`` asks again. ``counts``: the router's
+    counts of calls in flight (``INFLIGHT_PARAM``) sent with the victim's and the flood's
+    requests, as our bridge does. Returns (the victim's end, the running flood requests' ends)."""
+    from sgl_fair.request import INFLIGHT_PARAM
+
+    mine, theirs = ({INFLIGHT_PARAM: n} for n in counts)
+    async with httpx.AsyncClient() as http:
+        await live_rig.generate(http, url, victim, SOLO_TOKENS, "solo", mine)
+        running = [
+            asyncio.create_task(live_rig.generate(http, url, flood, FLOOD_TOKENS, i, theirs))
+            for i in (1, 2)
+        ]
+        await live_rig.until_loads(http, url, "num_running_reqs", 2, 60.0)
+        queued = [
+            asyncio.create_task(live_rig.generate(http, url, flood, 8, 10 + i, theirs))
+            for i in range(2)
+        ]
+        await live_rig.until_loads(http, url, "num_waiting_reqs", 2, 60.0)
+        _, t_victim, r = await live_rig.generate(http, url, victim, 8, "again", mine)
+        assert r.status_code == 200, r.text
+        ends = [t for _, t, rf in await asyncio.gather(*running)]
+        await asyncio.gather(*queued)
+    return t_victim, ends
+
+
+def test_the_routers_counts_decide_who_takes_a_slot(tiny_model, tmp_path):
+    """Both slots held by the flood's long requests, two more of its requests queued ahead
+    of the victim's: with 1 call in flight over the cluster to the flood's 4 (the router's
+    counts, as our bridge sends them), the victim is served while both flood requests still
+    run (the plugin places rule 1's newcomer ahead of the policy's choice when that choice
+    cannot preempt its own client, and marks a flood request for it); with the counts the
+    other way round (8 to 4) it is not owed a slot and waits for a flood request to end."""
+    args = (*ARGS, "--enable-priority-scheduling")
+    with _server(tiny_model, tmp_path, args) as server:
+        t_light, ends_light = asyncio.run(_served_more_then_flood(server.url, "v1", "f1", (1, 4)))
+        info = httpx.get(server.url + "/server_info", timeout=10).json()
+        t_heavy, ends_heavy = asyncio.run(_served_more_then_flood(server.url, "v2", "f2", (8, 4)))
+        after = httpx.get(server.url + "/server_info", timeout=10).json()
+    assert t_light < min(ends_light), (t_light, ends_light)
+    report = _plugin_report(info)
+    assert report["share_preemptions_marked"] >= 1 and report["hook_errors"] == {}, report
+    assert t_heavy > min(ends_heavy), (t_heavy, ends_heavy)
+    final = _plugin_report(after)
+    assert final["share_preemptions_marked"] == report["share_preemptions_marked"], final
+    assert final["held"] == 0 and final["hook_errors"] == {}, final

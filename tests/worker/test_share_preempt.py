@@ -111,3 +111,34 @@ def test_the_routers_counts_decide_over_the_policys_local_measure():
     assert g.mark(mirrored(Req("victim"), None, 2.0), run) is None  # no count: the counter says no
     served["victim"] = 700.0
     assert g.mark(mirrored(Req("victim"), None, 2.0), run) is not None
+
+
+def test_the_newcomer_is_the_waiting_client_holding_the_least_and_owed_a_slot():
+    """Every slot taken: of each waiting client's earliest request, the one whose client holds
+    the smallest share, if it is owed a slot (then marked for); with a free slot, none."""
+    run = [Req("flood", out=9), Req("flood", out=1)]
+    light, flood_next = Req("light"), Req("flood")
+    g = guard()
+    assert g.newcomer({"flood": flood_next, "light": light}, run) is light
+    assert run[0].priority == 0 and run[1].priority == -11  # the least advanced marked
+    g.restore()
+    assert guard(slots=3).newcomer({"light": light}, run) is None  # a free slot: no newcomer
+    served = {"light": 50.0, "flood": 10.0}.__getitem__
+    assert guard(service_received=served).newcomer({"light": light}, run) is None  # not owed
+    half = [Req("flood"), Req("light")]
+    assert guard().newcomer({"light": Req("light"), "flood": Req("flood")}, half) is None
+
+
+def test_waiting_set_earliest_per_client():
+    from sgl_fair.request import Request
+    from sgl_fair.worker.sglang.waiting_set import WaitingSet
+
+    w = WaitingSet()
+    a1, b1, a2 = (Request(rid, c, (1,), 1, t) for rid, c, t in
+                  (("a1", "a", 0.0), ("b1", "b", 1.0), ("a2", "a", 2.0)))  # fmt: skip
+    for m in (a2, b1):
+        w.add(m)
+    w.add(a1)  # back out of order (a retraction)
+    assert w.earliest() == {"a": a1, "b": b1}
+    w.remove(a1)
+    assert w.earliest() == {"a": a2, "b": b1}

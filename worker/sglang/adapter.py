@@ -152,6 +152,8 @@ class FairSchedulePolicy(SchedulePolicy):
         # The share guard through SGLang's priority preemption (share_preempt.py): set by the
         # plugin where the policy shares running slots and the server preempts by priority.
         self.share: SharePreemption | None = None
+        self._newcomer = False  # the walk's current placement is rule 1's newcomer
+        self.num_newcomers = 0  # newcomers placed ahead of the policy's choice
         self._running_batch: Any = None
         self._adder: Any = None  # this pass's PrefillAdder, once SGLang has used it
         # Prefix matches for the policy: memoised against a shadow of the cache (shadow.py)
@@ -262,6 +264,7 @@ class FairSchedulePolicy(SchedulePolicy):
                 "shadow": self.shadow is not None,
                 "share_preemptions_marked": None if self.share is None
                 else self.share.num_marked,
+                "share_newcomers": None if self.share is None else self.num_newcomers,
                 "service": msgspec.to_builtins(self.ledger.service_report())}  # fmt: skip
 
     def after_add_one_req(self, adder: Any, req: Req, result: AddReqResult) -> None:
@@ -277,6 +280,14 @@ class FairSchedulePolicy(SchedulePolicy):
             self._close_walk()  # the loop stops here
             return
         queue = self._queue
+        if self._newcomer:  # rule 1's newcomer, not the policy's choice: the walk starts again
+            self._newcomer = False
+            pos = _index(queue, req, self._pos) if req is self._expect else -1
+            if pos < 0:
+                self._close_walk()
+                return
+            self._restart_walk(pos + 1)
+            return
         if req is not self._expect:
             # SGLang skipped our choice (LoRA slots, pooling mode, a pending prefetch) and
             # tried the next slot: restart the walk from what is left after it.
@@ -327,7 +338,28 @@ class FairSchedulePolicy(SchedulePolicy):
         share, batch = self.share, self._running_batch
         if share is not None and batch is not None and batch.reqs:
             adder = self._adder
-            share.mark(req, batch.reqs, adder.can_run_list if adder is not None else ())
+            admitted = adder.can_run_list if adder is not None else ()
+            if share.mark(req, batch.reqs, admitted) is None:
+                self._place_newcomer(pos, batch.reqs, admitted)
+
+    def _place_newcomer(self, pos: int, running: Sequence[Req], admitted: Sequence[Req]) -> None:
+        """Every slot taken and the policy's choice owed none: rule 1's newcomer, if owed one
+        (``SharePreemption.newcomer``), goes first; once admitted the walk restarts."""
+        assert self.share is not None and self._queue is not None
+        req_of = self.ledger.req_of
+        earliest = {c: req_of(m) for c, m in self.ledger.waiting.earliest().items()}
+        req = self.share.newcomer(earliest, running, admitted)
+        if req is None:
+            return
+        queue = self._queue
+        j = _index(queue, req, pos)
+        if j < 0:  # not in this pass's queue (the ledger's set may hold more): no move
+            self.share.restore()
+            return
+        queue.insert(pos, queue.pop(j))
+        self._expect = req
+        self._newcomer = True
+        self.num_newcomers += 1
 
     def _restart_walk(self, pos: int) -> None:
         assert self._queue is not None
@@ -343,6 +375,7 @@ class FairSchedulePolicy(SchedulePolicy):
         walk = self._walk
         self._walk = None
         self._expect = None
+        self._newcomer = False
         if not keep_queue:
             self._queue = None
         if isinstance(walk, Generator):  # the policy's lazy walk: run its cleanup now

@@ -117,11 +117,46 @@ class SharePreemption:
         self.num_marked += 1
         return victim
 
+    def newcomer(
+        self, earliest: Mapping[ClientId, Any], running: Sequence[Any], admitted: Sequence[Any] = ()
+    ) -> Any:
+        """Rule 1's newcomer while every slot is taken: of ``earliest`` (each waiting client's
+        earliest request), the one whose client holds the smallest share, earliest first —
+        marked for, if it is owed a slot (``mark``); else None. The walk places it ahead of
+        the policy's choice, which no free slot can take (SGLang stops at the first request
+        it cannot preempt for, so a choice not owed a slot would end the pass)."""
+        if len(running) + len(admitted) < self.slots or not earliest:
+            return None
+        count: dict[ClientId, int] = {}
+        kv: dict[ClientId, int] = {}
+        for r in (*running, *admitted):
+            k = self.client_of(r)
+            if k is not None and not r.finished():
+                count[k] = count.get(k, 0) + 1
+                kv[k] = kv.get(k, 0) + _held(r)
+        c = min(
+            earliest,
+            key=lambda x: (self._share(count.get(x, 0), kv.get(x, 0), x), _order(earliest[x])),
+        )
+        req = earliest[c]
+        return req if self.mark(req, running, admitted) is not None else None
+
     def restore(self) -> None:
         """Every marked request's own priority back."""
         for r, priority in reversed(self._saved):
             r.priority = priority
         self._saved.clear()
+
+
+def _order(req: Any) -> tuple[float, int]:
+    """Arrival order of a request (a mirror's ``arrival_key``; else its queue entry time)."""
+    key = getattr(req, "arrival_key", None)
+    if key is not None:
+        return key()
+    return (
+        float(getattr(getattr(req, "time_stats", None), "wait_queue_entry_time", 0.0) or 0.0),
+        0,
+    )
 
 
 def _held(req: Any) -> int:

@@ -82,6 +82,11 @@ class WaitingSet:
         self._sort()
         return list(self._host.values())
 
+    def earliest(self) -> dict[ClientId, Request]:
+        """Each waiting client's earliest waiting mirror."""
+        self._sort()
+        return {c: next(iter(g.values())) for c, g in self._by_client.items()}
+
     def groups(self) -> dict[ClientId, list[Request]]:
         """``group_by_client(in_order())``, from the groups kept."""
         self._sort()
