@@ -97,6 +97,8 @@ def _side_by_side(key: str, files: str, setting: str) -> list[Figure]:
                "ratios.ours.relay_cpu_per_token", unit="×", target=("<=", 2.0)),
         Figure(f"{key}-victim-p99", name + "victim TTFT P99, ours ÷ SGLang's stack", files,
                "ratios.ours.victim_ttft_p99", fmt="{:.1f}", unit="×", target=("<=", 0.5)),
+        Figure(f"{key}-victim-p90", name + "victim TTFT P90, ours ÷ SGLang's stack", files,
+               "ratios.ours.victim_ttft_p90", unit="×"),
         Figure(f"{key}-victim-p50", name + "victim TTFT P50, ours ÷ SGLang's stack", files,
                ("ours.tenants.victim.ttft_p50_s", "sglang.tenants.victim.ttft_p50_s"),
                unit="×"),
