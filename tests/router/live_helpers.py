@@ -101,6 +101,35 @@ def launched(*args: str, tmp_path, timeout_s: float = 90.0) -> Iterator[Live]:
         assert gone, f"worker pid {pid} survived the launcher"
 
 
+@contextlib.contextmanager
+def launched_replicas(
+    *args: str, tmp_path, env: dict[str, str], ready, timeout_s: float = 600.0
+) -> Iterator[tuple[Live, list[str]]]:
+    """``launched`` with ``--router-replicas 2`` (in ``args``) under ``env`` (set for the
+    launcher and the servers it starts); yields ``(live, [replica 0's url, replica 1's])``
+    once ``ready(urls)`` holds (an HTTP error counts as not yet), within 120 s."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with launched(*args, tmp_path=tmp_path, timeout_s=timeout_s) as live:
+            port = int(live.url.rsplit(":", 1)[1])
+            urls = [live.url, f"http://127.0.0.1:{port + 1}"]
+            deadline = time.monotonic() + 120
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if ready(urls):
+                        break
+                assert time.monotonic() < deadline, live.log()
+                time.sleep(0.5)
+            yield live, urls
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric's samples in ``text`` whose labels include ``labels``."""
     total = 0.0

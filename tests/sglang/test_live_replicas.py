@@ -11,7 +11,6 @@ workers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -21,37 +20,26 @@ import live_rig
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))  # the launcher helpers
-from live_helpers import launched, metric  # noqa: E402
+from live_helpers import launched_replicas, metric  # noqa: E402
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("replicas-sglang")
-    mp = pytest.MonkeyPatch()
-    for k, v in live_rig.server_env(cores="0").items():
-        mp.setenv(k, v)
     args = (
         "--backend", "sglang", "--dp", "1", "--router-replicas", "2",
         "--model-path", str(tiny_model), "--schedule-policy", "vtc",
         "--heartbeat-timeout", "30", *live_rig.CPU_FLAGS,
         "--max-running-requests", "2", "--chunked-prefill-size", "512",
     )  # fmt: skip
-    try:
-        with launched(*args, tmp_path=tmp, timeout_s=600) as live:
-            port = int(live.url.rsplit(":", 1)[1])
-            other = f"http://127.0.0.1:{port + 1}"
-            deadline = time.monotonic() + 120
-            while True:  # replica 1's bridge reached the server too
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(other + "/health", timeout=2).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, live.log()
-                time.sleep(0.5)
-            yield live, [live.url, other]
-    finally:
-        mp.undo()
+
+    def ready(urls):  # replica 1's bridge reached the server too
+        return httpx.get(urls[1] + "/health", timeout=2).status_code == 200
+
+    with launched_replicas(*args, tmp_path=tmp_path_factory.mktemp("replicas-sglang"),
+                           env=live_rig.server_env(cores="0"), ready=ready) as up:  # fmt: skip
+        yield up
 
 
 async def _generate(http, url, client, n_out, i):

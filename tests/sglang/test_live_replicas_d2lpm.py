@@ -24,7 +24,6 @@ replica sends each client's calls (each replica's ``/server_info``: ``dispatched
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import sys
 import time
@@ -35,7 +34,7 @@ import live_rig
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))  # the launcher helpers
-from live_helpers import launched, metric  # noqa: E402
+from live_helpers import launched_replicas, metric  # noqa: E402
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.slow]
 
@@ -49,10 +48,6 @@ FLOOD_OUT = 192  # 24 of them queued behind 2 running: a backlog of ~8 s here
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("replicas-d2lpm")
-    mp = pytest.MonkeyPatch()
-    for k, v in live_rig.server_env(cores="0|1").items():
-        mp.setenv(k, v)
     args = (
         "--backend", "sglang", "--dp", "2", "--router-replicas", "2",
         "--model-path", str(tiny_model), "--schedule-policy", "fcfs",
@@ -62,22 +57,14 @@ def replicas(tiny_model, tmp_path_factory):
         "--heartbeat-timeout", "30", *live_rig.CPU_FLAGS,
         "--max-running-requests", "2", "--chunked-prefill-size", "512",
     )  # fmt: skip
-    try:
-        with launched(*args, tmp_path=tmp, timeout_s=600) as live:
-            port = int(live.url.rsplit(":", 1)[1])
-            urls = [live.url, f"http://127.0.0.1:{port + 1}"]
-            deadline = time.monotonic() + 120
-            while True:  # both replicas up, each with a baseline report from both servers
-                with contextlib.suppress(httpx.HTTPError):
-                    texts = [httpx.get(u + "/metrics", timeout=5).text for u in urls]
-                    if all(metric(t, "sgl_fair_replica_reports_baseline_total") >= 2
-                           for t in texts):  # fmt: skip
-                        break
-                assert time.monotonic() < deadline, live.log()
-                time.sleep(0.5)
-            yield live, urls
-    finally:
-        mp.undo()
+
+    def ready(urls):  # both replicas up, each with a baseline report from both servers
+        texts = [httpx.get(u + "/metrics", timeout=5).text for u in urls]
+        return all(metric(t, "sgl_fair_replica_reports_baseline_total") >= 2 for t in texts)
+
+    with launched_replicas(*args, tmp_path=tmp_path_factory.mktemp("replicas-d2lpm"),
+                           env=live_rig.server_env(cores="0|1"), ready=ready) as up:  # fmt: skip
+        yield up
 
 
 def _info(url: str) -> dict:
