@@ -339,7 +339,7 @@ class FairSchedulePolicy(SchedulePolicy):
         if share is not None and batch is not None and batch.reqs:
             adder = self._adder
             admitted = adder.can_run_list if adder is not None else ()
-            if share.mark(req, batch.reqs, admitted) is None:
+            if share.mark(req, batch.reqs, admitted) is None and share.full(batch.reqs, admitted):
                 self._place_newcomer(pos, batch.reqs, admitted)
 
     def _place_newcomer(self, pos: int, running: Sequence[Req], admitted: Sequence[Req]) -> None:

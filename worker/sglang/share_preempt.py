@@ -117,6 +117,10 @@ class SharePreemption:
         self.num_marked += 1
         return victim
 
+    def full(self, running: Sequence[Any], admitted: Sequence[Any] = ()) -> bool:
+        """Every running slot taken (only then does SGLang preempt)."""
+        return len(running) + len(admitted) >= self.slots
+
     def newcomer(
         self, earliest: Mapping[ClientId, Any], running: Sequence[Any], admitted: Sequence[Any] = ()
     ) -> Any:
@@ -125,7 +129,7 @@ class SharePreemption:
         marked for, if it is owed a slot (``mark``); else None. The walk places it ahead of
         the policy's choice, which no free slot can take (SGLang stops at the first request
         it cannot preempt for, so a choice not owed a slot would end the pass)."""
-        if len(running) + len(admitted) < self.slots or not earliest:
+        if not self.full(running, admitted) or not earliest:
             return None
         count: dict[ClientId, int] = {}
         kv: dict[ClientId, int] = {}
