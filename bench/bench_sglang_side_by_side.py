@@ -10,8 +10,7 @@ tenant's shared prefix plus a few tokens of its own (prefix-heavy); streaming ``
 with ``input_ids``. Tenants are named by ``Authorization: Bearer sk-<tenant>`` (our tenants
 file's keys; SGLang's servers ignore it, its gateway passes it on).
 
-Reported per stack: tokens served (by calls finished within T), each tenant's TTFT P50/P90/P99
-and its server queue wait (SGLang's ``queue_time``: P99, max),
+Reported per stack: tokens served (by calls finished within T), each tenant's TTFT P50/P90/P99,
 its three slowest first tokens (when, and the stack's own end-to-end time for them) and
 served tokens, offered vs served calls, the CPU-seconds over the load window of each
 process group (SGLang servers with their scheduler/detokenizer children; the gateway; our
@@ -144,20 +143,14 @@ async def drive(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any
         # the three slowest first tokens, with when they were asked (s into the run) and what
         # the stack said of them (its cached tokens, its own end-to-end time: a TTFT above
         # that was spent outside the stack's call, in the client or the kernel)
-        st["all"] = st.pop("calls")
-        worst = sorted(st["all"], key=lambda c: -c[0])[:3]
+        worst = sorted(st.pop("calls"), key=lambda c: -c[0])[:3]
         st["slowest"] = [{"ttft_s": round(f, 4), "at_s": round(t0 - start, 2),
-                          **{k: m.get(k) for k in ("cached_tokens", "e2e_latency", "queue_time")}}
+                          **{k: m.get(k) for k in ("cached_tokens", "e2e_latency")}}
                          for f, t0, m in worst]  # fmt: skip
         ttft = np.array(st.pop("ttft") or [np.nan])
-        # the server's own queue wait (SGLang's meta_info.queue_time, which both stacks pass
-        # on): what scheduling decides, without the client's, the relay's or the kernel's time
-        queue = [q for *_, m in st.pop("all") if isinstance(q := m.get("queue_time"), float)]
         out[t] = {**st, "ttft_p50_s": float(np.nanpercentile(ttft, 50)),
                   "ttft_p90_s": float(np.nanpercentile(ttft, 90)),
-                  "ttft_p99_s": float(np.nanpercentile(ttft, 99)),
-                  "queue_p99_s": float(np.percentile(queue, 99)) if queue else None,
-                  "queue_max_s": max(queue) if queue else None}  # fmt: skip
+                  "ttft_p99_s": float(np.nanpercentile(ttft, 99))}  # fmt: skip
     return out
 
 
@@ -371,7 +364,6 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
         # P99 over ~100-250 calls is the worst call or two: on a saturated 2-core machine,
         # a stall of either stack's processes (or the client's); P90 is steadier
         "victim_ttft_p90": r(v_o["ttft_p90_s"], v_s["ttft_p90_s"]),
-        "victim_queue_p99": r(v_o["queue_p99_s"] or 0.0, v_s["queue_p99_s"] or 0.0),
         "victim_tokens": r(v_o["tokens"], v_s["tokens"]),
         "tokens_per_server_cpu_s": r(
             ours["tokens_per_server_cpu_s"], theirs["tokens_per_server_cpu_s"]
@@ -399,8 +391,7 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"   {tn:6s} calls {s['served']}/{s['offered']} (failed {s['failed']})  "
                 f"tokens {s['tokens']}  TTFT P50 {s['ttft_p50_s']:.3f} s  "
-                f"P90 {s['ttft_p90_s']:.3f} s  P99 {s['ttft_p99_s']:.3f} s  "
-                f"server queue P99 {s['queue_p99_s']} s"
+                f"P90 {s['ttft_p90_s']:.3f} s  P99 {s['ttft_p99_s']:.3f} s"
             )
     for name, r in results.get("ratios", {}).items():
         lines.append(f"{name}/sglang: {r}")
