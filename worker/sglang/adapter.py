@@ -347,7 +347,8 @@ class FairSchedulePolicy(SchedulePolicy):
         (``SharePreemption.newcomer``), goes first; once admitted the walk restarts."""
         assert self.share is not None and self._queue is not None
         req_of = self.ledger.req_of
-        earliest = {c: req_of(m) for c, m in self.ledger.waiting.earliest().items()}
+        firsts = sorted(self.ledger.waiting.earliest().values(), key=_arrival)
+        earliest = {m.client: req_of(m) for m in firsts}  # in arrival order
         req = self.share.newcomer(earliest, running, admitted)
         if req is None:
             return

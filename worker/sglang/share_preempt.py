@@ -80,15 +80,8 @@ class SharePreemption:
         c = self.client_of(req)
         if c is None or len(running) + len(admitted) < self.slots:
             return None  # a free slot: SGLang preempts only for a full batch
-        count: dict[ClientId, int] = {}
-        kv: dict[ClientId, int] = {}
+        count, kv = self._holdings(running, admitted)
         pool: dict[ClientId, list[Any]] = {}
-        for r in (*running, *admitted):
-            k = self.client_of(r)
-            if k is None or r.finished():
-                continue
-            count[k] = count.get(k, 0) + 1
-            kv[k] = kv.get(k, 0) + _held(r)
         for r in running:
             k = self.client_of(r)
             if k is not None and k != c and not r.finished():
@@ -125,12 +118,22 @@ class SharePreemption:
         self, earliest: Mapping[ClientId, Any], running: Sequence[Any], admitted: Sequence[Any] = ()
     ) -> Any:
         """Rule 1's newcomer while every slot is taken: of ``earliest`` (each waiting client's
-        earliest request), the one whose client holds the smallest share, earliest first —
+        earliest request, in arrival order), the one whose client holds the smallest share,
+        the earliest of equals —
         marked for, if it is owed a slot (``mark``); else None. The walk places it ahead of
         the policy's choice, which no free slot can take (SGLang stops at the first request
         it cannot preempt for, so a choice not owed a slot would end the pass)."""
         if not self.full(running, admitted) or not earliest:
             return None
+        count, kv = self._holdings(running, admitted)
+        c = min(earliest, key=lambda x: self._share(count.get(x, 0), kv.get(x, 0), x))
+        req = earliest[c]  # min keeps the first of equals: the earliest arrival
+        return req if self.mark(req, running, admitted) is not None else None
+
+    def _holdings(
+        self, running: Sequence[Any], admitted: Sequence[Any]
+    ) -> tuple[dict[ClientId, int], dict[ClientId, int]]:
+        """Per client: the running slots and KV tokens it holds (``running`` and ``admitted``)."""
         count: dict[ClientId, int] = {}
         kv: dict[ClientId, int] = {}
         for r in (*running, *admitted):
@@ -138,29 +141,13 @@ class SharePreemption:
             if k is not None and not r.finished():
                 count[k] = count.get(k, 0) + 1
                 kv[k] = kv.get(k, 0) + _held(r)
-        c = min(
-            earliest,
-            key=lambda x: (self._share(count.get(x, 0), kv.get(x, 0), x), _order(earliest[x])),
-        )
-        req = earliest[c]
-        return req if self.mark(req, running, admitted) is not None else None
+        return count, kv
 
     def restore(self) -> None:
         """Every marked request's own priority back."""
         for r, priority in reversed(self._saved):
             r.priority = priority
         self._saved.clear()
-
-
-def _order(req: Any) -> tuple[float, int]:
-    """Arrival order of a request (a mirror's ``arrival_key``; else its queue entry time)."""
-    key = getattr(req, "arrival_key", None)
-    if key is not None:
-        return key()
-    return (
-        float(getattr(getattr(req, "time_stats", None), "wait_queue_entry_time", 0.0) or 0.0),
-        0,
-    )
 
 
 def _held(req: Any) -> int:
