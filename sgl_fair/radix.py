@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Sequence
 from itertools import chain
 from typing import NamedTuple
 
-from sgl_fair.radix_node import Node, Tokens
+from sgl_fair.radix_node import MatchMemo, Node, Tokens
 
 
 class MatchResult(NamedTuple):
@@ -67,21 +67,6 @@ class OwnersMatch(NamedTuple):
     version: int  # the tree's shape stamp when matched (see RadixTree.insert_matched)
 
 
-class MatchMemo(NamedTuple):
-    """A remembered ``match``: valid while ``node`` is attached and its version unchanged.
-
-    A request's match can only grow if a branch is added at the node where it ended, or
-    inside the edge it partly matched (which first splits that edge: the split bumps the
-    node); it can only shrink if the child it ran into is removed. All three bump
-    ``node.version``; changes elsewhere in the tree leave the memo valid. A match of 0 stays
-    so while no edge starts with the prompt's first token (``RadixTree.memo_match``).
-    """
-
-    node: Node
-    version: int
-    length: int
-
-
 class RadixTree:
     def __init__(self) -> None:
         self.root = Node((), None)
@@ -97,6 +82,8 @@ class RadixTree:
         # entry popped is the true LRU leaf. `_in_heap` keeps it to one entry per node.
         self._heap: list[tuple[int, int, Node]] = []
         self._push_seq = 0
+        self._changes: list[tuple[Node, object]] | None = None  # track_changes()
+        self._change_limit = 0
 
     # ---- counters ------------------------------------------------------------------------
 
@@ -407,6 +394,21 @@ class RadixTree:
             heapq.heapify(self._heap)
         return num_pruned
 
+    def track_changes(self, limit: int = 1 << 16) -> None:
+        """Log every edge change from now on, for ``take_changes``."""
+        self._changes, self._change_limit = [], limit
+
+    def take_changes(self) -> list[tuple[Node, object]] | None:
+        """Edges changed since the last call: ``(node, t)``, the child of ``node`` starting
+        with ``t`` added, split or removed; ``(node, None)``, ``node`` left the tree. A match
+        memoised at ``node`` going on with ``t`` changes only through these. None: more than
+        ``limit`` since (re-read everything)."""
+        changes = self._changes
+        if changes is None:
+            raise RuntimeError("take_changes() without track_changes()")
+        self._changes = []
+        return None if len(changes) > self._change_limit else changes
+
     # ---- internals -----------------------------------------------------------------------
 
     def _tick(self) -> int:
@@ -419,15 +421,20 @@ class RadixTree:
             self._push_seq += 1
             heapq.heappush(self._heap, (node.last_access, self._push_seq, node))
 
-    def _bump(self, node: Node | None) -> None:
+    def _bump(self, node: Node | None, t: object, gone: Node | None = None) -> None:
         if node is not None:
             self._version += 1
             node.version = self._version
+            changes = self._changes  # (past the limit: take_changes says None)
+            if changes is not None and len(changes) <= self._change_limit:
+                changes.append((node, t))
+                if gone is not None:
+                    changes.append((gone, None))
 
     def _add_leaf(self, parent: Node, key: Tokens, tick: int) -> Node:
         leaf = Node(key, parent, tick)
         parent.children[key[0]] = leaf
-        self._bump(parent)  # a match that ended at `parent` may now be longer
+        self._bump(parent, key[0])  # a match that ended at `parent` may now be longer
         self._num_nodes += 1
         self._total_tokens += len(key)
         self._evictable_tokens += len(key)
@@ -449,7 +456,7 @@ class RadixTree:
         if child.slots is not None:
             upper.slots, child.slots = child.slots[:at], child.slots[at:]
         parent.children[upper.key[0]] = upper
-        self._bump(parent)  # a match ending at `parent`, partly into this edge, may grow
+        self._bump(parent, upper.key[0])  # a match ending at `parent` partly into it may grow
         child.key = child.key[at:]
         child.parent = upper
         self._num_nodes += 1
@@ -459,7 +466,7 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.key[0]]
         node.parent = None
-        self._bump(parent)  # matches ending at `parent` and running into `node` shrink
+        self._bump(parent, node.key[0], node)  # matches ending at `parent` into `node` shrink
         self._num_nodes -= 1
         self._total_tokens -= len(node.key)
         self._evictable_tokens -= len(node.key)

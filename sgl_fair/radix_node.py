@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import NamedTuple
 
 Tokens = tuple[int, ...]
 
@@ -38,3 +39,18 @@ class Node:
     def __repr__(self) -> str:
         state = f"lock_ref={self.lock_ref}, last_access={self.last_access}"
         return f"Node(key={self.key!r}, {state}, owners={self.owners!r})"
+
+
+class MatchMemo(NamedTuple):
+    """A remembered ``match``: valid while ``node`` is attached and its version unchanged.
+
+    A request's match can only grow if a branch is added at the node where it ended, or
+    inside the edge it partly matched (which first splits that edge: the split bumps the
+    node); it can only shrink if the child it ran into is removed. All three bump
+    ``node.version``; changes elsewhere in the tree leave the memo valid. A match of 0 stays
+    so while no edge starts with the prompt's first token (``RadixTree.memo_match``).
+    """
+
+    node: Node
+    version: int
+    length: int

@@ -78,6 +78,9 @@ class SchedulerView(Protocol):
     A view may also offer ``prefix_lens(reqs) -> list[int]``, ``prefix_len`` of each request
     in one call; ``lpm_order`` uses it where present (the SGLang plugin's view answers a whole
     queue's memoised matches in one loop). It must equal asking ``prefix_len`` one by one.
+    And ``lpm_groups() -> dict[client, deque[(key, request)]] | None``: every waiting client's
+    requests in ``lpm_order``'s order, keys ascending in that global order (the plugin keeps
+    them across passes, ``worker/sglang/lpm_index.py``); None where it cannot answer.
     """
 
     @property

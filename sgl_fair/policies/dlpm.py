@@ -27,6 +27,7 @@ import math
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sgl_fair.cost import CostFunction, PrefixAwareTokens, resolve_cost
 from sgl_fair.policies.base import (
@@ -176,9 +177,12 @@ class DLPM(WeightsOption, BasePolicy):  # Weighted: its Config takes weights
         its deficit. Merging the clients' queues by LPM rank (a heap) yields the very same
         sequence as scanning the list, without touching skipped requests again.
         """
-        queues: dict[ClientId, deque[tuple[int, Request]]] = {}
-        for rank, req in enumerate(lpm_order(waiting, view)):
-            queues.setdefault(req.client, deque()).append((rank, req))
+        kept = getattr(view, "lpm_groups", None)  # optional: kept across passes by the view
+        queues: dict[ClientId, deque[tuple[Any, Request]]] | None = kept() if kept else None
+        if queues is None:
+            queues = {}
+            for rank, req in enumerate(lpm_order(waiting, view)):
+                queues.setdefault(req.client, deque()).append((rank, req))
         while queues:
             heap = [(q[0][0], c) for c, q in queues.items() if self.deficit(c) > 0]
             heapq.heapify(heap)

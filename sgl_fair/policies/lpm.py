@@ -6,6 +6,7 @@ sort: prefix matching is O(prompt) per request (see bench/bench_policy_step.py).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,4 +35,8 @@ class LPM(BasePolicy):
         pass
 
     def order(self, waiting: Sequence[Request], view: SchedulerView) -> Iterator[Request]:
+        kept = getattr(view, "lpm_groups", None)  # optional: kept across passes by the view
+        groups = kept() if kept is not None else None
+        if groups is not None:  # each client's requests in order: merged by their keys
+            return (req for _, req in heapq.merge(*groups.values()))
         return iter(lpm_order(waiting, view))

@@ -55,6 +55,7 @@ from sgl_fair.worker.sglang import shadow as shadow_mod
 from sgl_fair.worker.sglang import shadow_events
 from sgl_fair.worker.sglang.hook_errors import HookErrors
 from sgl_fair.worker.sglang.ledger import Ledger
+from sgl_fair.worker.sglang.lpm_index import LpmIndex
 from sgl_fair.worker.sglang.profile import record_drain
 from sgl_fair.worker.sglang.share_preempt import SharePreemption
 
@@ -85,9 +86,11 @@ class _View:
         adapter: FairSchedulePolicy,
         running: Sequence[Request],
         groups: Callable[[], dict[str, list[Request]]] | None = None,
+        whole_queue: bool = False,
     ) -> None:
         self._adapter = adapter
         self._groups = groups
+        self._whole = whole_queue  # ordering every waiting request: lpm_groups may answer
         self._req_of = adapter.ledger.req_of
         self._shadow = adapter.shadow if adapter._shadow_on else None
         self.running = running
@@ -109,6 +112,15 @@ class _View:
     def waiting_by_client(self) -> dict[str, list[Request]] | None:
         """The waiting mirrors per client as the ledger keeps them (``waiting_groups``)."""
         return self._groups() if self._groups is not None else None
+
+    def lpm_groups(self) -> dict[str, Any] | None:
+        """The waiting clients' mirrors in LPM order, kept across passes (``lpm_index.py``):
+        only for the whole waiting set, on the shadow; None otherwise (``lpm_order``)."""
+        index, shadow = self._adapter.lpm_index, self._shadow
+        if index is None or shadow is None or not self._whole:
+            return None
+        index.synced = True
+        return index.groups(self._adapter.ledger.waiting, shadow, self.prefix_len, self._req_of)
 
     def prefix_lens(self, ms: Sequence[Request]) -> list[int]:
         """``prefix_len`` of each of ``ms`` (``lpm_order`` asks for a whole queue): memo hits
@@ -173,6 +185,11 @@ class FairSchedulePolicy(SchedulePolicy):
                     why_not,
                     why_not_events,
                 )
+        # The LPM order kept across passes, on the shadow (lpm_index.py).
+        self.lpm_index: LpmIndex | None = None
+        if self.shadow is not None:
+            self.lpm_index = LpmIndex()
+            self.ledger.waiting.track()
         _ADAPTERS[id(tree_cache)] = self
 
     def disable_shadow(self) -> None:
@@ -181,6 +198,8 @@ class FairSchedulePolicy(SchedulePolicy):
             self.shadow.detach()
         self.shadow = None
         self._shadow_on = False
+        self.lpm_index = None
+        self.ledger.waiting.untrack()
 
     def detach(self) -> None:
         self._close_walk()
@@ -232,10 +251,15 @@ class FairSchedulePolicy(SchedulePolicy):
         self._shadow_on = self.shadow is not None and not envs.SGLANG_RADIX_FORCE_MISS.get()
         if self._shadow_on:
             self.shadow.begin_pass(waiting_queue)
+        index = self.lpm_index
+        if index is not None:
+            if not index.synced:  # the last pass ordered without it: its logs are stale
+                index.drain(ledger.waiting, self.shadow)
+            index.synced = False
         self._running_batch = running_batch
         self._adder = None
         self._queue = waiting_queue
-        self._walk = self.fair.order(mirrors, _View(self, running, groups))
+        self._walk = self.fair.order(mirrors, _View(self, running, groups, whole_queue=exact))
         self.num_walks += 1
         # Until the walk picks them, the rest wait in arrival order.
         if reqs is None:

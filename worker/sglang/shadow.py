@@ -156,7 +156,34 @@ class ShadowCache:
         tree = self.trees.get(ns)
         if tree is None:
             tree = self.trees[ns] = RadixTree()
+            tree.track_changes()  # for take_changes (lpm_index.py); read every pass
         return tree
+
+    def take_changes(self) -> list[tuple[Node, Any]] | None:
+        """The edges changed in every tree since the last call (``RadixTree.take_changes``;
+        a tree logs from its making, and trees replaced move ``epoch``); None if too many."""
+        out: list[tuple[Node, Any]] = []
+        for tree in self.trees.values():
+            changes = tree.take_changes()
+            if changes is None:
+                return None
+            out += changes
+        return out
+
+    def watch_key(self, req: Any) -> tuple[Node, Any] | None:
+        """Where ``req``'s memoised match can change (``take_changes``' terms): its node and
+        the token it would go on with. None if no memo of ``req`` holds (match it first)."""
+        e = self._memo.get(req.rid)
+        if e is None or e.req is not req or e.epoch != self.epoch or e.node is None:
+            return None
+        n = e.length // self.page
+        if e.version is not None:  # inside an edge: the edge below the node
+            up, depth = e.node, 0
+            while up is not None:
+                depth += len(up.key)
+                up = up.parent
+            n = depth
+        return e.node, (e.tokens[n] if n < len(e.tokens) else None)
 
     def _stored(self, node: Any) -> None:
         path, _ = self._path(node)

@@ -30,6 +30,27 @@ class WaitingSet:
         self._by_client: dict[ClientId, dict[int, Request]] = {}
         self._last = -1  # the largest seq added
         self._ordered = True
+        self._touched: dict[int, Request] | None = None  # track(): added or removed since
+
+    def track(self) -> None:
+        """Log every mirror added or removed from now on, for ``take_touched``."""
+        if self._touched is None:
+            self._touched = {}
+
+    def untrack(self) -> None:
+        self._touched = None
+
+    def take_touched(self) -> dict[int, Request]:
+        """The mirrors (by id) added or removed since the last call; those waiting now are
+        in ``get``. Only after ``track``."""
+        touched, self._touched = self._touched, {}
+        if touched is None:
+            raise RuntimeError("take_touched() without track()")
+        return touched
+
+    def get(self, key: int) -> Request | None:
+        """The waiting mirror ``m`` with ``id(m) == key``, or None."""
+        return self._all.get(key)
 
     def __len__(self) -> int:
         return len(self._all)
@@ -38,6 +59,8 @@ class WaitingSet:
         key = id(m)
         if key in self._all:
             return
+        if self._touched is not None:
+            self._touched[key] = m
         self._all[key] = m
         self._host[key] = host
         group = self._by_client.get(m.client)
@@ -54,6 +77,8 @@ class WaitingSet:
         key = id(m)
         if self._all.pop(key, None) is None:
             return
+        if self._touched is not None:
+            self._touched[key] = m
         del self._host[key]
         group = self._by_client[m.client]
         del group[key]
