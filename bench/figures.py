@@ -253,6 +253,11 @@ STORED: dict[str, dict[str, str]] = {
         "machine": EPYC,
     },
     "sglang-live-admission-2026-11-29d-after-churn.json": {"commit": "6e3603b", "machine": EPYC},
+    "sglang-live-admission-2026-11-29e-before-dlpm-churn.json": {
+        "commit": "bbef320",
+        "machine": EPYC,
+    },
+    "sglang-live-admission-2026-11-29e-after-churn.json": {"commit": "16b272c", "machine": EPYC},
 }
 
 README_QUOTES: list[str] = [
