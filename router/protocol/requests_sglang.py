@@ -78,7 +78,7 @@ _NATIVE_SAMPLING: FieldTable = {
 }
 
 
-def _take_slo(v: Any, path: str) -> tuple[Any, tuple[float, float] | None]:
+def _take_our_params(v: Any, path: str) -> tuple[Any, tuple[float, float] | None]:
     """``sampling_params`` without our SLO key in ``custom_params`` (``SLO_PARAM``: what an
     sgl-fair bridge in front of this server sends, as it does to SGLang), and the SLOs; a
     bridge's ``INFLIGHT_PARAM`` is dropped (this server's router counts its own calls)."""
@@ -391,7 +391,7 @@ def parse_generate(
     else:
 
         def native(v: Any, p: str) -> tuple[SamplingParams, tuple[float, float] | None]:
-            v, slo = _take_slo(v, p)
+            v, slo = _take_our_params(v, p)
             return _native_sampling(v, p, limits, features), slo
 
         pairs = _per_item(sp, "sampling_params", n, is_batch, native)

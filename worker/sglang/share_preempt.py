@@ -77,10 +77,17 @@ class SharePreemption:
         """Mark the victim ``req`` may preempt among ``running`` (SGLang's running batch;
         ``admitted``: the requests this pass already admitted); returns it, or None."""
         self.restore()
-        c = self.client_of(req)
-        if c is None or len(running) + len(admitted) < self.slots:
+        if len(running) + len(admitted) < self.slots:
             return None  # a free slot: SGLang preempts only for a full batch
-        count, kv = self._holdings(running, admitted)
+        return self._mark(req, running, *self._holdings(running, admitted))
+
+    def _mark(
+        self, req: Any, running: Sequence[Any], count: dict[ClientId, int], kv: dict[ClientId, int]
+    ) -> Any:
+        """``mark`` with every slot taken and the holdings counted (``_holdings``)."""
+        c = self.client_of(req)
+        if c is None:
+            return None
         pool: dict[ClientId, list[Any]] = {}
         for r in running:
             k = self.client_of(r)
@@ -128,7 +135,8 @@ class SharePreemption:
         count, kv = self._holdings(running, admitted)
         c = min(earliest, key=lambda x: self._share(count.get(x, 0), kv.get(x, 0), x))
         req = earliest[c]  # min keeps the first of equals: the earliest arrival
-        return req if self.mark(req, running, admitted) is not None else None
+        self.restore()
+        return req if self._mark(req, running, count, kv) is not None else None
 
     def _holdings(
         self, running: Sequence[Any], admitted: Sequence[Any]
