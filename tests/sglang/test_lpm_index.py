@@ -12,15 +12,13 @@ the same order, and the index must have answered most passes without re-reading 
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-from sglang_rig import Rig, make_req
+from sglang_rig import make_req
+from test_plugin_property import Run as PropertyRun
 
 from sgl_fair.worker.sglang import plugin
-from sgl_fair.worker.sglang.settings import PluginSettings
 
 pytestmark = pytest.mark.usefixtures("plugin_hooks")
 
@@ -29,22 +27,18 @@ def _queue(scheduler, req, *args, **kwargs):
     scheduler.waiting_queue.append(req)
 
 
-class Run:
+class Run(PropertyRun):
+    """The plugin property's run (batch results, aborts, retractions), with prompts that
+    share prefixes of three documents, and prefixes cached and evicted between passes."""
+
     def __init__(self, policy: str, cache: str, seed: int, index: bool) -> None:
-        self.rng = random.Random(seed)
+        super().__init__(policy, random.Random(seed), cache)
         docs = random.Random(seed + 1)
         self.docs = [[docs.randrange(5, 400) for _ in range(60)] for _ in range(3)]
-        self.rig = Rig(max_running_requests=6, kv_tokens=20_000, cache=cache)
-        self.s = self.rig.scheduler
-        self.fair = plugin.install_policy(self.s, PluginSettings(policy, {}))
         assert self.fair.lpm_index is not None
-        if not index:
+        if not index:  # the pass before the index: lpm_order over the whole queue each time
             self.fair.lpm_index = None
             self.fair.ledger.waiting.untrack()
-        self.running: list = []
-        self.n = 0
-        self.s._release_aborted_request = lambda req: None
-        self.s.send_abort_output = lambda out, req: None
 
     def tokens(self) -> list[int]:
         rng = self.rng
@@ -68,29 +62,6 @@ class Run:
         admitted = self.rig.admit()
         self.running += admitted
         return [r.rid for r in admitted]
-
-    def step(self) -> None:
-        for r in self.running:
-            r.output_ids = [*r.output_ids, 7]
-            u = self.rng.random()
-            if u < 0.1:
-                r.finished_reason = FINISH_ABORT("client went away")
-            elif u < 0.5:
-                r.finished_reason = FINISH_LENGTH(len(r.output_ids))
-        plugin._after_batch_result(None, self.s, SimpleNamespace(reqs=list(self.running)))
-        self.running = [r for r in self.running if not r.finished()]
-
-    def abort_queued(self) -> None:
-        q = self.s.waiting_queue
-        if q:
-            q.remove(q[self.rng.randrange(len(q))])
-            plugin._after_abort(None, self.s)
-
-    def retract(self) -> None:
-        if self.running:
-            r = self.running.pop(self.rng.randrange(len(self.running)))
-            plugin._after_retract(([r], 0.5, []), SimpleNamespace(tree_cache=self.rig.tree))
-            self.s.waiting_queue.append(r)
 
 
 def check_each_sync(fair) -> None:

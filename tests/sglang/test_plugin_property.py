@@ -40,9 +40,9 @@ def _queue(scheduler, req, *args, **kwargs):
 
 
 class Run:
-    def __init__(self, policy: str, rng: random.Random) -> None:
+    def __init__(self, policy: str, rng: random.Random, cache: str = "radix") -> None:
         self.rng = rng
-        self.rig = Rig(max_running_requests=6, kv_tokens=20_000)
+        self.rig = Rig(max_running_requests=6, kv_tokens=20_000, cache=cache)
         self.s = self.rig.scheduler
         self.fair = plugin.install_policy(self.s, PluginSettings(policy, {}))
         self.running: list = []
