@@ -10,6 +10,7 @@ The first test runs a real worker process; the others a stand-in worker on real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 import time
 
@@ -99,6 +100,26 @@ class _StandIn:
         await self.sock.send_multipart([self.peer, encode(msg)])
 
 
+@contextlib.asynccontextmanager
+async def _attached(port: int):
+    """A replica linked to a stand-in worker on ``port`` that has said Hello (pid 1, boot
+    11): ``(worker, service)``, closed after."""
+    ctx = zmq.asyncio.Context()
+    worker = _StandIn(ctx, port)
+    svc, link = _replica(port, attach_period_s=0.2, heartbeat_s=30.0)
+    await svc.start()
+    link.start()
+    try:
+        await asyncio.wait_for(worker.attach(), 10)
+        await worker.send(_hello(1, 11))
+        await svc.wait_ready(10)
+        yield worker, svc
+    finally:
+        await link.close()
+        await svc.close()
+        ctx.destroy(linger=0)
+
+
 def _hello(pid: int, boot: int) -> Hello:
     return Hello(0, time.time(), pid, 100_000, "stand-in", boot=boot)
 
@@ -119,15 +140,7 @@ def test_any_hello_on_a_live_link_or_a_new_boot_is_a_loss(second, why, caplog):
     port = free_port_pair()
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        worker = _StandIn(ctx, port)
-        svc, link = _replica(port, attach_period_s=0.2, heartbeat_s=30.0)
-        await svc.start()
-        link.start()
-        try:
-            await asyncio.wait_for(worker.attach(), 10)
-            await worker.send(_hello(1, 11))
-            await svc.wait_ready(10)
+        async with _attached(port) as (worker, svc):
             svc.router.tree.insert((1, 2, 3, 4), 0)  # what the old process cached
             await worker.send(second())
             deadline = time.monotonic() + 5
@@ -135,10 +148,6 @@ def test_any_hello_on_a_live_link_or_a_new_boot_is_a_loss(second, why, caplog):
                 await asyncio.sleep(0.05)
             assert why in caplog.text, caplog.text
             assert svc.router.tree.match((1, 2, 3, 4)).per_worker.get(0, 0) == 0
-        finally:
-            await link.close()
-            await svc.close()
-            ctx.destroy(linger=0)
 
     with caplog.at_level("WARNING", logger="sgl_fair.router"):
         asyncio.run(main())
@@ -159,15 +168,7 @@ def test_a_restarted_worker_is_told_to_abort_what_moved_away():
     port = free_port_pair()
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        worker = _StandIn(ctx, port)
-        svc, link = _replica(port, attach_period_s=0.2, heartbeat_s=30.0)
-        await svc.start()
-        link.start()
-        try:
-            await asyncio.wait_for(worker.attach(), 10)
-            await worker.send(_hello(1, 11))
-            await svc.wait_ready(10)
+        async with _attached(port) as (worker, svc):
             call = svc.submit(_req("moved", 50), "t")
             while True:  # the stand-in receives its Dispatch
                 _peer, frame = await asyncio.wait_for(worker.sock.recv_multipart(), 10)
@@ -182,9 +183,5 @@ def test_a_restarted_worker_is_told_to_abort_what_moved_away():
                 if type(msg).__name__ == "Abort":
                     aborted = msg.rid
             assert aborted == "moved"
-        finally:
-            await link.close()
-            await svc.close()
-            ctx.destroy(linger=0)
 
     asyncio.run(main())
