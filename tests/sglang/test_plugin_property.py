@@ -69,7 +69,7 @@ class Run:
     def step(self) -> None:
         """A batch result: a token for each running request; some finish, some abort."""
         for r in self.running:
-            r.output_ids = [*r.output_ids, 7]
+            r.output_ids.append(7)  # SGLang appends to its array in place
             u = self.rng.random()
             if u < 0.1:
                 r.finished_reason = FINISH_ABORT("client went away")

@@ -17,8 +17,9 @@ the queue in arrival order, ``seq``) restricted to that client. ``groups`` hands
 the policy as the view's optional ``lpm_groups``.
 
 The index answers only while every member is matched on the shadow; anything else (the shadow
-dirty or rebuilt, a request it does not handle, a change log over its limit, a pass that did
-not sync) makes the next ``groups`` re-read every waiting request once.
+dirty or rebuilt, a change log over its limit, a pass that did not sync) makes the next
+``groups`` re-read every waiting request once. A waiting request the shadow does not handle
+(a namespace its events do not name) turns the index off until that request leaves.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LpmIndex:
         self.num_read = 0  # requests read by the last sync
         self.num_kept = 0  # syncs that read only what changed
         self.synced = True  # set by the adapter: the last pass asked for the groups
+        self._blocker: Request | None = None  # a waiting request the shadow does not handle
 
     def drain(self, waiting: Any, shadow: Any) -> None:
         """A pass ordered without the index: drop what the logs say, and re-read everything
@@ -65,6 +67,12 @@ class LpmIndex:
         """Each waiting client's mirrors in LPM order, as ``(key, mirror)``, keys global (a
         merge by key is ``lpm_order``); None where the index cannot answer this pass.
         ``waiting`` is the ledger's ``WaitingSet``; ``length`` the view's ``prefix_len``."""
+        blocker = self._blocker
+        if blocker is not None:  # a request the shadow does not match waits: no index
+            if waiting.get(id(blocker)) is blocker:  # (until it leaves: O(1) a pass)
+                self.drain(waiting, shadow)
+                return None
+            self._blocker = None
         if not self.sync(waiting, shadow, length, req_of):
             self._fresh = False
             return None
@@ -136,7 +144,8 @@ class LpmIndex:
 
     def _add(self, key: int, m: Request, shadow: Any, length: Callable, req_of: Callable) -> bool:
         req = req_of(m)
-        if not shadow.handles(req):
+        if not shadow.handles(req):  # matched exactly by SGLang, each pass: no index
+            self._blocker = m  # while it waits (not a full re-read each pass)
             return False
         n = length(m)
         where = shadow.watch_key(req)
