@@ -177,3 +177,25 @@ def test_a_request_the_shadow_does_not_match_turns_the_index_off_until_it_leaves
         assert run.fair.errors.counts == {}
     finally:
         run.fair.detach()
+
+
+def test_a_sync_that_fails_halfway_reads_everything_at_the_next_pass():
+    """An error inside the index (here: a match that raises) falls back to SGLang's order for
+    that pass (the hook's guard), and the next pass re-reads the queue, never a half-kept one."""
+    run = Run("dlpm", "radix", 7, True)
+    check_each_sync(run.fair)
+    index, shadow = run.fair.lpm_index, run.fair.shadow
+    try:
+        for _ in range(30):
+            run.arrive()
+        run.fair.calc_priority(run.s.waiting_queue)
+        run.arrive()
+        real = shadow.prefix_len
+        shadow.prefix_len = lambda *a: 1 / 0
+        run.fair.calc_priority(run.s.waiting_queue)
+        assert run.fair.errors.counts == {"calc_priority": 1}
+        shadow.prefix_len = real
+        run.fair.calc_priority(run.s.waiting_queue)
+        assert index.num_full == 2 and run.fair.errors.counts == {"calc_priority": 1}
+    finally:
+        run.fair.detach()

@@ -73,7 +73,12 @@ class LpmIndex:
                 self.drain(waiting, shadow)
                 return None
             self._blocker = None
-        if not self.sync(waiting, shadow, length, req_of):
+        try:
+            ok = self.sync(waiting, shadow, length, req_of)
+        except BaseException:
+            self._fresh = False  # half applied: read everything again next time
+            raise
+        if not ok:
             self._fresh = False
             return None
         return {c: deque(items) for c, items in self._by_client.items()}
