@@ -4,6 +4,7 @@ arrive, are admitted, retracted and leave equals the per-pass rebuild it replace
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,3 +46,38 @@ def test_kept_order_and_groups_equal_the_rebuild(ops):
         assert ws.hosts() == [("host", m.rid) for m in ordered]  # each with its mirror
         assert ws.groups() == group_by_client(ordered)
         assert len(ws) == len(waiting)
+
+
+@settings(max_examples=100, deadline=None)
+@given(OPS, st.lists(st.booleans(), max_size=120))
+def test_the_touched_log_names_every_mirror_added_or_removed_since_the_last_take(ops, takes):
+    """What the LPM index re-reads (``lpm_index.py``): every mirror that came or went."""
+    ws = WaitingSet()
+    ws.track()
+    expected: set[int] = set()
+    waiting: list[Request] = []
+    t = 0.0
+    for i, (op, pick, client) in enumerate(ops):
+        if op == "arrive":
+            t += 0.001
+            m = Request(rid=f"r{t}", client=client, input_ids=(1,), output_len=1, arrival_s=t)
+            waiting.append(m)
+            ws.add(m)
+            expected.add(id(m))
+        elif waiting:
+            m = waiting.pop(pick % len(waiting))
+            ws.remove(m)
+            expected.add(id(m))
+        if i < len(takes) and takes[i]:
+            assert set(ws.take_touched()) == expected
+            expected = set()
+    assert set(ws.take_touched()) == expected
+
+
+def test_taking_the_log_without_tracking_raises_and_starts_nothing():
+    ws = WaitingSet()
+    with pytest.raises(RuntimeError):
+        ws.take_touched()
+    ws.add(Request(rid="r", client="a", input_ids=(1,), output_len=1, arrival_s=0.0))
+    with pytest.raises(RuntimeError):  # (a failed take used to turn the log on)
+        ws.take_touched()

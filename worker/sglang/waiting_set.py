@@ -43,9 +43,10 @@ class WaitingSet:
     def take_touched(self) -> dict[int, Request]:
         """The mirrors (by id) added or removed since the last call; those waiting now are
         in ``get``. Only after ``track``."""
-        touched, self._touched = self._touched, {}
+        touched = self._touched
         if touched is None:
             raise RuntimeError("take_touched() without track()")
+        self._touched = {}
         return touched
 
     def get(self, key: int) -> Request | None:
