@@ -17,6 +17,9 @@ process group (SGLang servers with their scheduler/detokenizer children; the gat
 router; our bridges) read with psutil, tokens per server-CPU-second, and the relay's CPU
 (gateway, or router + bridges) per streamed token, also less its fixed cost (each group's
 CPU per second over ``--idle`` seconds without load, just before); then ours / SGLang's.
+Before all that, each stack serves ``--warmup`` calls of each tenant at once, not counted
+(default 4; 0 before ``side-by-side-2026-11-29l``, whose victim's P99 was its first call,
+made as the servers ran their first batch).
 
     .venv/bin/python bench/bench_sglang_side_by_side.py [--duration 30] [--flood 24]
         [--max-running 2] [--stacks sglang,ours] [--json runs/side.json]
@@ -327,8 +330,34 @@ def run_ours(
         _stop(proc)
 
 
+async def warm(url: str, args: argparse.Namespace, vocab: int) -> None:
+    """``--warmup`` calls of each tenant at once, not counted (as SGLang's own
+    ``bench_serving`` warms up): the servers' first forward passes and the tenants' prefixes
+    are behind every stack before its measured window starts."""
+    import aiohttp
+
+    make = prompts(vocab, args.prefix_len, args.own_len)["make"]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+
+        async def one(tenant: str, i: int) -> None:
+            body = {
+                "input_ids": make(tenant, 10**6 + i),
+                "sampling_params": {"max_new_tokens": args.output_len, "ignore_eos": True},
+                "stream": True,  # as the measured calls
+            }
+            headers = {"Authorization": f"Bearer sk-{tenant}"}
+            async with http.post(url + "/generate", json=body, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"warm-up call of {tenant}: HTTP {r.status}")
+
+        await asyncio.gather(*(one(t, i) for t in TENANTS for i in range(args.warmup)))
+
+
 def measure(url: str, groups: dict[str, list[int]], relay: tuple[str, ...],
             args: argparse.Namespace, vocab: int) -> dict[str, Any]:  # fmt: skip
+    if args.warmup:
+        asyncio.run(warm(url, args, vocab))
     idle0 = cpu_snapshot(groups)
     time.sleep(args.idle)  # no load: each group's fixed cost (heartbeats, polls, watchdogs)
     before = cpu_snapshot(groups)
@@ -410,6 +439,9 @@ def load_args(
     ap.add_argument("--own-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--idle", type=float, default=idle, help="seconds measured without load")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="calls of each tenant at once before the measured window, not counted "
+                    "(0: none, as before 2026-11-29l)")  # fmt: skip
     ap.add_argument("--stacks", default=f"{peer},ours",
                     help=f"{peer}, ours, ours@REV, ours+process (--bridges process)")  # fmt: skip
     ap.add_argument("--json", default=None, help="write the result here (under runs/)")
