@@ -272,4 +272,5 @@ README_QUOTES: list[str] = [
     "its throughput is {fs-throughput} VTC's (the claim against Fig. 9a, ≥ VTC's: **FAIL**;",
     "throttled by rpm ({fs-interactions}: the abusers' interactions dominate both counts;"
     " **FAIL**) and throttles {fs-benign-users} benign users",
+    "pass costs {adm-dlpm-1000} SGLang's own lpm pass",
 ]
